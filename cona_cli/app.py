@@ -1,0 +1,12 @@
+"""The `cona` command line: train, search, report."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Chain parallelism strategies while an LLM trains, to reach a target perplexity sooner.")
+
+
+def main() -> None:
+    app()

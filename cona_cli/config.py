@@ -1,0 +1,341 @@
+"""YAML run configuration: typed sections, validated before anything launches.
+
+Every problem is reported as one line naming the file and the key, e.g.
+`configs/tiny.yaml: train.lr: must be > 0`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, get_args, get_origin, get_type_hints
+
+import yaml
+
+from cona_cli.strategy import Strategy, StrategyError, divisibility_problems
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message is one line naming the file and key."""
+
+
+Check = Callable[[Any], str | None]
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def _fraction(v: Any) -> str | None:
+    return None if 0 <= v < 1 else "must be in [0, 1)"
+
+
+def _one_of(*choices: str) -> Check:
+    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
+
+
+def _f(default: Any = dataclasses.MISSING, check: Check | None = None) -> Any:
+    return field(default=default, metadata={"check": check})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer (nanoGPT/Llama style: RMSNorm, RoPE, SwiGLU-free GELU MLP)."""
+
+    n_layers: int = _f(check=_positive)
+    d_model: int = _f(check=_positive)
+    n_heads: int = _f(check=_positive)
+    ffn: int = _f(check=_positive)
+    seq_len: int = _f(check=_positive)
+    family: str = _f("gpt", _one_of("gpt"))
+    n_kv_heads: int | None = _f(None, _positive)
+    dropout: float = _f(0.0, _fraction)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where text comes from and how it is tokenized. No `path`: a generated synthetic corpus."""
+
+    path: str | None = _f(None)
+    tokenizer: str = _f("bpe", _one_of("bpe", "byte"))
+    vocab_size: int = _f(2048, lambda v: None if 260 <= v <= 65535 else "must be in [260, 65535]")
+    cache_dir: str | None = _f(None)
+    synthetic_tokens: int = _f(400_000, _positive)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    nodes: int = _f(1, _positive)
+    procs_per_node: int = _f(1, _positive)
+    backend: str = _f("auto", _one_of("auto", "gloo", "nccl"))
+    threads_per_proc: int | None = _f(None, _positive)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser, schedule (in tokens, so it survives changes of gbs), evaluation and stop rules."""
+
+    lr: float = _f(1e-3, _positive)
+    min_lr_ratio: float = _f(0.1, lambda v: None if 0 <= v <= 1 else "must be in [0, 1]")
+    schedule: str = _f("cosine", _one_of("constant", "cosine", "linear"))
+    warmup_tokens: int = _f(0, _non_negative)
+    decay_tokens: int | None = _f(None, _positive)
+    lr_scaling: str = _f("sqrt", _one_of("sqrt", "linear", "adascale", "none"))
+    lr_base_gbs: int | None = _f(None, _positive)
+    weight_decay: float = _f(0.1, _non_negative)
+    beta1: float = _f(0.9, _fraction)
+    beta2: float = _f(0.95, _fraction)
+    grad_clip: float = _f(1.0, _non_negative)
+    seed: int = _f(1234, _non_negative)
+    eval_interval: int | None = _f(None, _positive)
+    eval_interval_s: float | None = _f(None, _positive)
+    eval_tokens: int = _f(8192, _positive)
+    max_steps: int | None = _f(None, _positive)
+    max_tokens: int | None = _f(None, _positive)
+    max_time: float | None = _f(None, _positive)
+    target_ppl: float | None = _f(None, lambda v: None if v > 1 else "must be > 1")
+    checkpoint_keep: int = _f(2, _positive)
+    dp_impl: str = _f("ddp", _one_of("ddp", "fsdp"))
+    pp_schedule: str = _f("1f1b", _one_of("1f1b", "gpipe"))
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """Search space and planner settings (used by `cona search` and the online controller)."""
+
+    hardware: str = _f("cpu-local")
+    gbs_min: int | None = _f(None, _positive)
+    gbs_max: int | None = _f(None, _positive)
+    gbs_ladder: list[int] | None = _f(None)
+    mbs: list[int] | None = _f(None)
+    max_tp: int | None = _f(None, _positive)
+    tp_within_node: bool = _f(True)
+    gbs_static: int | None = _f(None, _positive)
+    precision: str = _f("fp32", _one_of("fp32", "bf16", "fp16"))
+    recompute: bool = _f(False)
+    memory_margin: float = _f(0.1, _fraction)
+    exhaustive_max: int = _f(64, _non_negative)
+    budget: int = _f(24, _positive)
+    seed: int = _f(0, _non_negative)
+
+
+@dataclass(frozen=True)
+class ChainStage:
+    strategy: Strategy
+    steps: int | None  # None: the last stage runs until the stop rule
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    data: DataConfig
+    cluster: ClusterConfig
+    train: TrainConfig
+    search: SearchConfig
+    strategy: Strategy | None
+    chain: tuple[ChainStage, ...] | None
+    policy: str
+    source: str
+
+    def to_raw(self) -> dict[str, Any]:
+        """The resolved config as a plain document that `config_from_dict` accepts again."""
+        raw: dict[str, Any] = {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
+        raw["policy"] = self.policy
+        if self.strategy is not None:
+            raw["strategy"] = str(self.strategy)
+        if self.chain is not None:
+            raw["chain"] = [{**c.strategy.to_dict(), **({"steps": c.steps} if c.steps else {})}
+                            for c in self.chain]
+        return raw
+
+    def problems(self, s: Strategy) -> list[str]:
+        m = self.model
+        return divisibility_problems(s, self.cluster.world, m.n_layers, m.n_heads, m.kv_heads)
+
+
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "cluster": ClusterConfig,
+             "train": TrainConfig, "search": SearchConfig}
+_TOP_KEYS = set(_SECTIONS) | {"strategy", "chain", "policy"}
+POLICIES = ("cona", "static", "chain")
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    if get_origin(hint) is list:
+        (item,) = get_args(hint)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    args = get_args(hint)
+    if args:  # Optional[...] / unions
+        return any(_type_ok(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    args = [a for a in get_args(hint) if a is not type(None)]
+    if get_origin(hint) is list:
+        return f"a list of {_type_name(args[0])}"
+    if args:
+        return _type_name(args[0])
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
+
+
+def _build_section(cls: type, raw: Any, name: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: must be a mapping")
+    hints = get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
+    values = {}
+    for fname, f in known.items():
+        if fname not in raw:
+            if f.default is dataclasses.MISSING:
+                raise ConfigError(f"{name}.{fname}: required")
+            continue
+        value = raw[fname]
+        if hints[fname] is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not _type_ok(value, hints[fname]):
+            raise ConfigError(f"{name}.{fname}: must be {_type_name(hints[fname])}, got {value!r}")
+        check = f.metadata.get("check")
+        if value is not None and check is not None:
+            items = value if isinstance(value, list) else [value]
+            for item in items:
+                msg = check(item)
+                if msg:
+                    raise ConfigError(f"{name}.{fname}: {msg}")
+        values[fname] = value
+    return cls(**values)
+
+
+def _parse_strategy(raw: Any, where: str) -> Strategy:
+    try:
+        if isinstance(raw, str):
+            return Strategy.parse(raw)
+        if isinstance(raw, dict):
+            extra = set(raw) - {"dp", "tp", "pp", "mbs", "gbs"}
+            if extra:
+                raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown key")
+            return Strategy.from_mapping(raw, where)
+    except StrategyError as e:
+        raise ConfigError(str(e)) from None
+    raise ConfigError(f"{where}: must be a string like dp2-tp1-pp2-mbs2-gbs16 or a mapping")
+
+
+def parse_chain(raw: Any, where: str = "chain") -> tuple[ChainStage, ...]:
+    """A chain: a list of {dp, tp, pp, mbs, gbs, steps} (the last stage may omit steps)."""
+    if isinstance(raw, dict) and set(raw) == {"chain"}:
+        raw = raw["chain"]
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{where}: must be a non-empty list of stages")
+    stages = []
+    for i, item in enumerate(raw):
+        w = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(f"{w}: must be a mapping with dp, tp, pp, mbs, gbs, steps")
+        item = dict(item)
+        steps = item.pop("steps", None)
+        last = i == len(raw) - 1
+        if steps is None and not last:
+            raise ConfigError(f"{w}.steps: required (only the last stage may run until the stop rule)")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ConfigError(f"{w}.steps: must be an integer >= 1")
+        stages.append(ChainStage(_parse_strategy(item, w), steps))
+    return tuple(stages)
+
+
+def config_from_dict(raw: Any, source: str = "<config>") -> Config:
+    """Validate a parsed YAML document; errors name the key (without the file)."""
+    if not isinstance(raw, dict):
+        raise ConfigError("top level: must be a mapping with model, data, cluster, train sections")
+    for key in raw:
+        if key not in _TOP_KEYS:
+            raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(_TOP_KEYS))})")
+    if "model" not in raw:
+        raise ConfigError("model: required")
+    sections = {name: _build_section(cls, raw.get(name), name) for name, cls in _SECTIONS.items()}
+    strategy = _parse_strategy(raw["strategy"], "strategy") if raw.get("strategy") is not None else None
+    chain = parse_chain(raw["chain"]) if raw.get("chain") is not None else None
+    policy = raw.get("policy", "chain" if chain else "static" if strategy else "cona")
+    if policy not in POLICIES:
+        raise ConfigError(f"policy: must be one of {', '.join(POLICIES)}")
+    cfg = Config(**sections, strategy=strategy, chain=chain, policy=policy, source=source)
+    validate_strategies(cfg)
+    return cfg
+
+
+def validate_strategies(cfg: Config) -> None:
+    """Refuse an infeasible fixed strategy or chain stage, with the reason."""
+    if cfg.strategy is not None:
+        problems = cfg.problems(cfg.strategy)
+        if problems:
+            raise ConfigError(f"strategy {cfg.strategy}: {problems[0]}")
+    for i, stage in enumerate(cfg.chain or ()):
+        problems = cfg.problems(stage.strategy)
+        if problems:
+            raise ConfigError(f"chain[{i}] {stage.strategy}: {problems[0]}")
+    if cfg.policy == "chain" and not cfg.chain:
+        raise ConfigError("policy: chain needs a chain (in the YAML or --chain FILE)")
+    if cfg.policy == "static" and cfg.strategy is None:
+        raise ConfigError("policy: static needs a strategy (in the YAML or --strategy)")
+
+
+def read_yaml(path: str | Path) -> Any:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}: invalid YAML{where}") from None
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """Load and validate a YAML config; `overrides` replace top-level keys or `section.key` values."""
+    raw = read_yaml(path)
+    if isinstance(raw, dict):
+        for key, value in (overrides or {}).items():
+            section, _, sub = key.partition(".")
+            if sub:
+                raw.setdefault(section, {})
+                if raw[section] is None:
+                    raw[section] = {}
+                raw[section][sub] = value
+            else:
+                raw[key] = value
+    try:
+        return config_from_dict(raw, str(path))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def config_from_json(text: str, source: str) -> Config:
+    """Rebuild a Config from `json.dumps(cfg.to_raw())` (what the workers receive)."""
+    return config_from_dict(json.loads(text), source)
