@@ -1,0 +1,180 @@
+"""Corpus preparation, tokenizer cache and global-sample-index batching (launch/data.py)."""
+
+from __future__ import annotations
+
+import collections
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+import launch.data as data_mod
+from cona_cli.config import DataConfig
+from launch.data import (CorpusInfo, DataError, TokenStream, eval_batches, prepare_corpus,
+                         replica_microbatches, synthetic_corpus)
+
+WIKITEXT = Path("/work/shared/data/wikitext-2-raw")
+SEQ = 8
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CONA_CACHE", str(root))
+    return root
+
+
+@pytest.fixture
+def ramp(tmp_path: Path) -> str:
+    """A token file whose token at position p is p, so a window's first token / SEQ is its index."""
+    path = tmp_path / "ramp.npy"
+    np.save(path, np.arange(SEQ * 50 + 1, dtype=np.uint16))
+    return str(path)
+
+
+def window_ids(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    return [int(k) for x, _ in batches for k in x[:, 0] // SEQ]
+
+
+def step_ids(stream: TokenStream, consumed: int, gbs: int, dp: int, mbs: int) -> list[int]:
+    return [k for r in range(dp) for k in window_ids(replica_microbatches(stream, consumed, gbs, dp, r, mbs))]
+
+
+def test_synthetic_corpus_is_deterministic_and_structured() -> None:
+    train, valid = synthetic_corpus(30_000, seed=3)
+    assert (train, valid) == synthetic_corpus(30_000, seed=3)
+    assert train != synthetic_corpus(30_000, seed=4)[0]
+    words = train.lower().replace(",", " ").replace(".", " ").split()
+    assert len(words) == 30_000 and 2_500 <= len(valid.split()) <= 3_500
+    uni = collections.Counter(words)
+    bi = collections.Counter(zip(words, words[1:]))
+    n = len(words)
+    h_uni = -sum(c / n * math.log2(c / n) for c in uni.values())
+    h_bi = -sum(c / (n - 1) * math.log2(c / uni[a]) for (a, _), c in bi.items())
+    assert 200 <= len(uni) <= 500
+    assert h_bi < h_uni - 2.5, (h_uni, h_bi)  # the next word is far more predictable than the unigram
+
+
+def test_synthetic_prepare_caches_and_round_trips(_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = DataConfig(vocab_size=600, synthetic_tokens=20_000)
+    info = prepare_corpus(cfg, seed=1)
+    assert Path(info.train_path).parent.parent == _cache
+    assert Path(info.train_path).parent.name == f"synthetic-{info.key}"
+    assert 256 < info.vocab_size <= 600
+    train = np.load(info.train_path, mmap_mode="r")
+    assert train.dtype == np.uint16 and len(train) == info.n_train_tokens and train.max() < info.vocab_size
+    assert CorpusInfo.from_json(info.to_json()) == info
+
+    monkeypatch.setattr(data_mod, "_tokenize", lambda *a: pytest.fail("retrained on a cache hit"))
+    assert prepare_corpus(cfg, seed=1) == info
+    assert prepare_corpus(DataConfig(vocab_size=600, synthetic_tokens=20_000, tokenizer="bpe"), 1).key == info.key
+
+    text = (Path(info.train_path).parent / "valid.txt").read_text()
+    tok = Tokenizer.from_file(info.tokenizer_path)
+    ids = np.load(info.valid_path)
+    assert tok.decode(ids.tolist()) == text
+    assert tok.decode(tok.encode("Ünïcode, tabs\tand\nnewlines.").ids) == "Ünïcode, tabs\tand\nnewlines."
+
+
+def test_byte_tokenizer_and_folder_cache(tmp_path: Path, _cache: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.txt").write_text("héllo world\n" * 50)
+    (corpus / "valid.txt").write_text("hello again\n" * 5)
+    info = prepare_corpus(DataConfig(path=str(corpus), tokenizer="byte"))
+    assert info.vocab_size == 256 and info.tokenizer_path is None
+    assert Path(info.train_path).parent.parent == corpus / ".cona-cache"  # writable, not under shared/
+    assert bytes(np.load(info.train_path).astype(np.uint8)) == (corpus / "train.txt").read_bytes()
+    (corpus / "valid.txt").write_text("changed\n" * 5)
+    assert prepare_corpus(DataConfig(path=str(corpus), tokenizer="byte")).key != info.key
+
+    shared = tmp_path / "shared" / "corpus"
+    shutil.copytree(corpus, shared, ignore=shutil.ignore_patterns(".cona-cache"))
+    assert Path(prepare_corpus(DataConfig(path=str(shared), tokenizer="byte")).train_path).parent.parent == _cache
+
+
+def test_concurrent_prepare_builds_once(tmp_path: Path) -> None:
+    code = ("import sys; from cona_cli.config import DataConfig; from launch.data import prepare_corpus; "
+            "print(prepare_corpus(DataConfig(vocab_size=400, synthetic_tokens=50_000, "
+            f"cache_dir={str(tmp_path / 'c')!r}), seed=2).to_json())")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs[0] == outs[1]
+    assert [p.name for p in (tmp_path / "c").iterdir() if not p.name.endswith(".lock")] == \
+        [Path(CorpusInfo.from_json(outs[0]).train_path).parent.name]
+
+
+@pytest.mark.parametrize("gbs, dp, mbs", [(12, 1, 12), (12, 2, 3), (12, 3, 2), (12, 4, 1)])
+def test_replicas_partition_the_global_batch(ramp: str, gbs: int, dp: int, mbs: int) -> None:
+    stream = TokenStream(ramp, SEQ, seed=5)
+    x, y = stream.samples(24, gbs)
+    assert x.shape == (gbs, SEQ) and x.dtype == torch.long and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(y[:, -1], x[:, -1] + 1)
+    batches = [mb for r in range(dp) for mb in replica_microbatches(stream, 24, gbs, dp, r, mbs)]
+    assert len(batches) == gbs // mbs and all(mb[0].shape == (mbs, SEQ) for mb in batches)
+    assert torch.equal(torch.cat([mb[0] for mb in batches]), x)
+    assert torch.equal(torch.cat([mb[1] for mb in batches]), y)
+
+
+def test_layout_switch_continues_without_repeat_or_skip(ramp: str) -> None:
+    stream = TokenStream(ramp, SEQ, seed=7)
+    assert len(stream) == 50
+    seen, consumed = [], 0
+    for gbs, dp, mbs, steps in [(8, 2, 2, 3), (12, 3, 4, 2), (6, 1, 3, 3), (16, 4, 2, 2)]:
+        for _ in range(steps):
+            seen += step_ids(stream, consumed, gbs, dp, mbs)
+            consumed += gbs
+    assert consumed == 98 and len(seen) == 98
+    epoch0, epoch1 = seen[:50], seen[50:]
+    assert sorted(epoch0) == list(range(50)) and len(set(epoch1)) == 48  # every window once per epoch
+    reference = window_ids([stream.samples(0, 98)])
+    assert seen == reference  # the same stream regardless of layout
+    assert epoch0 != list(range(50)) and epoch1 != epoch0[:48]  # shuffled, and a new order each epoch
+    assert seen != window_ids([TokenStream(ramp, SEQ, seed=8).samples(0, 98)])
+
+
+def test_eval_batches_are_layout_independent(ramp: str) -> None:
+    def concat(dp: int, mbs: int) -> list[int]:
+        return [k for r in range(dp) for k in window_ids(eval_batches(ramp, SEQ, 24 * SEQ, dp, r, mbs))]
+
+    assert concat(1, 24) == concat(2, 3) == concat(4, 2) == concat(3, 8) == list(range(24))
+    assert len(concat(5, 1)) == 20  # rounded down to a multiple of dp*mbs
+    assert len(concat(4, 4)) == 16
+    assert window_ids(eval_batches(ramp, SEQ, 1, 2, 0, 2)) == [0, 1]  # at least dp*mbs windows
+    with pytest.raises(DataError, match="ramp.npy"):
+        eval_batches(ramp, SEQ, 10_000, 8, 0, 8)
+
+
+def test_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=f"data.path: {tmp_path / 'nope'}: no such folder"):
+        prepare_corpus(DataConfig(path=str(tmp_path / "nope")))
+    (tmp_path / "train.txt").write_text("some text\n")
+    with pytest.raises(DataError, match=f"{tmp_path / 'valid.txt'}: missing"):
+        prepare_corpus(DataConfig(path=str(tmp_path)))
+    (tmp_path / "valid.txt").write_text("")
+    with pytest.raises(DataError, match=f"{tmp_path / 'valid.txt'}: empty"):
+        prepare_corpus(DataConfig(path=str(tmp_path)))
+    (tmp_path / "valid.txt").write_bytes(b"\xff\xfe bad\n")
+    with pytest.raises(DataError, match="valid.txt: not UTF-8"):
+        prepare_corpus(DataConfig(path=str(tmp_path)))
+    np.save(tmp_path / "tiny.npy", np.arange(5, dtype=np.uint16))
+    with pytest.raises(DataError, match="tiny.npy"):
+        TokenStream(str(tmp_path / "tiny.npy"), SEQ, 0)
+    assert issubclass(DataError, ValueError)
+
+
+@pytest.mark.skipif(not WIKITEXT.is_dir(), reason="WikiText-2 not available")
+def test_wikitext_bpe(tmp_path: Path) -> None:
+    info = prepare_corpus(DataConfig(path=str(WIKITEXT), vocab_size=1024, cache_dir=str(tmp_path / "c")))
+    assert info.vocab_size == 1024
+    ratio = (WIKITEXT / "train.txt").stat().st_size / info.n_train_tokens
+    assert 2.0 < ratio < 4.0, ratio  # ~2.6 bytes/token at 1024 (~4.0 at 8192)
+    assert 0.08 < info.n_valid_tokens / info.n_train_tokens < 0.13
+    assert not (WIKITEXT / ".cona-cache").exists()
