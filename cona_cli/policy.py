@@ -1,0 +1,83 @@
+"""Policies decide which strategy runs and when to switch; the controller carries the decisions out.
+
+A policy sees every metric row the workers stream and the outcome of every launch. The controller
+asks it for the first stage, may be told mid-launch to switch (it then has the workers checkpoint
+and exit), and asks for the next stage whenever a launch ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cona_cli.config import ChainStage
+from cona_cli.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Run `strategy` until global step `stop_step` (None: until a stop rule of the config)."""
+
+    strategy: Strategy
+    stop_step: int | None
+    reason: str  # why this stage starts: start, chain, decision, fallback
+
+
+class Policy(Protocol):
+    name: str
+
+    def first(self) -> Stage: ...
+
+    def on_metric(self, row: dict[str, Any]) -> Stage | None:
+        """A metric row arrived; return a stage to switch to now, or None to keep going."""
+        ...
+
+    def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
+        """A launch ended at a stage end or on request; return the next stage, or None when done."""
+        ...
+
+
+class StaticPolicy:
+    """One strategy for the whole run."""
+
+    name = "static"
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    def first(self) -> Stage:
+        return Stage(self.strategy, None, "start")
+
+    def on_metric(self, row: dict[str, Any]) -> Stage | None:
+        return None
+
+    def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
+        return None
+
+
+class ChainPolicy:
+    """Replay a given chain: stage i runs `steps` optimizer steps, then the next stage takes over."""
+
+    name = "chain"
+
+    def __init__(self, chain: tuple[ChainStage, ...]) -> None:
+        self.stages: list[Stage] = []
+        end = 0
+        for i, c in enumerate(chain):
+            end = end + c.steps if c.steps else None  # type: ignore[operator]
+            self.stages.append(Stage(c.strategy, end, "start" if i == 0 else "chain"))
+            if end is None:
+                break
+
+    def first(self) -> Stage:
+        return self.stages[0]
+
+    def on_metric(self, row: dict[str, Any]) -> Stage | None:
+        return None
+
+    def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
+        step = outcome["step"]
+        for stage in self.stages:
+            if stage.stop_step is None or stage.stop_step > step:
+                return stage
+        return None

@@ -1,0 +1,100 @@
+"""`cona train`: validate everything, prepare the corpus, then hand over to the controller."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from cona_cli.config import Config, ConfigError, config_from_dict, load_config, parse_chain, read_yaml
+from cona_cli.controller import Controller
+from cona_cli.policy import ChainPolicy, Policy, StaticPolicy
+from cona_cli.strategy import Strategy, StrategyError
+
+err = Console(stderr=True)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    err.print(f"cona: {message}", markup=False, highlight=False)
+    return typer.Exit(code)
+
+
+def resolve_config(config: Path, strategy: Optional[str], chain: Optional[Path], max_steps: Optional[int]) -> Config:
+    """The config with CLI overrides applied and validated as a whole."""
+    overrides: dict = {}
+    if strategy is not None:
+        try:
+            overrides["strategy"] = str(Strategy.parse(strategy))
+        except StrategyError as e:
+            raise ConfigError(f"--strategy: {e}") from None
+        overrides.update(policy="static", chain=None)
+    if chain is not None:
+        try:
+            stages = parse_chain(read_yaml(chain))
+        except ConfigError as e:
+            raise ConfigError(f"{chain}: {e}") from None
+        overrides["chain"] = [{**s.strategy.to_dict(), **({"steps": s.steps} if s.steps else {})} for s in stages]
+        overrides.update(policy="chain", strategy=None)
+    if max_steps is not None:
+        if max_steps < 1:
+            raise ConfigError("--max-steps: must be >= 1")
+        overrides["train.max_steps"] = max_steps
+    cfg = load_config(config, overrides)
+    first = cfg.strategy or (cfg.chain[0].strategy if cfg.chain else None)
+    if cfg.train.lr_base_gbs is None and first is not None:  # the LR was tuned for the first batch size
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr_base_gbs=first.gbs))
+    if not any((cfg.train.max_steps, cfg.train.max_tokens, cfg.train.max_time, cfg.train.target_ppl)) and \
+            not (cfg.chain and cfg.chain[-1].steps):
+        raise ConfigError(f"{config}: train: needs a stop rule (max_steps, max_tokens, max_time or target_ppl)")
+    return config_from_dict(cfg.to_raw(), cfg.source)
+
+
+def make_policy(cfg: Config) -> Policy:
+    if cfg.policy == "chain":
+        return ChainPolicy(cfg.chain)
+    if cfg.policy == "static":
+        return StaticPolicy(cfg.strategy)
+    raise ConfigError(f"{cfg.source}: policy: {cfg.policy!r} is not available in this version (use static or chain)")
+
+
+def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
+    if (run_dir / "events.jsonl").exists():
+        raise ConfigError(f"--run-dir: {run_dir} already holds a run; choose a new folder")
+    from launch.data import DataError, prepare_corpus  # imports torch: only once the config is valid
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(config, run_dir / "config.yaml")
+    (run_dir / "config.resolved.json").write_text(json.dumps(cfg.to_raw(), indent=1))
+    try:
+        corpus = prepare_corpus(cfg.data, seed=cfg.train.seed)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    (run_dir / "corpus.json").write_text(corpus.to_json())
+
+
+def train_command(
+    config: Path = typer.Argument(..., help="YAML config (model, data, cluster, train, strategy/chain)."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run folder (default runs/<config>-<time>)."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="Fixed strategy, e.g. dp2-tp1-pp2-mbs2-gbs16."),
+    chain: Optional[Path] = typer.Option(None, "--chain", help="YAML chain file to replay."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the workers' output."),
+) -> None:
+    """Train under a fixed strategy or a chain of strategies, switching by checkpoint + relaunch."""
+    if strategy is not None and chain is not None:
+        raise _fail("--strategy and --chain: give one of them")
+    try:
+        cfg = resolve_config(config, strategy, chain, max_steps)
+        policy = make_policy(cfg)
+        run_dir = run_dir or Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        prepare_run_dir(run_dir, config, cfg)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    code = Controller(cfg, run_dir, policy, console=err, verbose=verbose).run()
+    raise typer.Exit(code)

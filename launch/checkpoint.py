@@ -1,0 +1,114 @@
+"""Resharding checkpoints with torch.distributed.checkpoint (DCP), committed atomically.
+
+Layout: `ROOT/step_000120/` holds the DCP shards, `trainer.json` (step, consumed samples, strategy,
+schedule and statistics state) and a `COMMITTED` marker written last. Saving goes to
+`ROOT/.tmp-step_000120/` first and is renamed once every rank has finished, so a crash mid-save
+never leaves a folder that looks complete. Loading ignores folders without the marker, and reshards
+to whatever layout is running: parameter names are the same under every (dp, tp, pp).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMMITTED"
+TRAINER_STATE = "trainer.json"
+# Flattened optimizer state: the default nests param_groups in one pickled entry that DCP keeps from
+# a single rank, which breaks Adam under pipeline parallelism (KeyError: 'betas').
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or one that does not fit the model."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def committed(root: Path) -> list[Path]:
+    """Committed checkpoints, newest first."""
+    if not root.is_dir():
+        return []
+    dirs = [d for d in root.iterdir() if d.name.startswith("step_") and (d / MARKER).is_file()]
+    return sorted(dirs, key=lambda d: d.name, reverse=True)
+
+
+def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIONS)}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         trainer_state: dict[str, Any], keep: int) -> tuple[Path, float, int]:
+    """Collective: every rank calls it. Returns (committed path, seconds, bytes) on every rank."""
+    t0 = time.perf_counter()
+    final = step_dir(root, step)
+    tmp = root / f".tmp-{final.name}"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_states(model, optimizer), checkpoint_id=str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
+        if final.exists():  # an older attempt at the same step: replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        with open(final / MARKER, "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _prune(root, keep)
+    dist.barrier()
+    return final, time.perf_counter() - t0, _dir_bytes(final)
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` committed checkpoints; drop stale temporary folders."""
+    for old in committed(root)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    for tmp in root.glob(".tmp-step_*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / TRAINER_STATE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable {TRAINER_STATE} ({e})") from None
+
+
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: load a committed checkpoint into the local (resharded) model and optimizer."""
+    if not (path / MARKER).is_file():
+        raise CheckpointError(f"{path}: not a committed checkpoint (no {MARKER} marker)")
+    trainer_state = read_trainer_state(path)
+    states = _states(model, optimizer)
+    try:
+        dcp.load(states, checkpoint_id=str(path))
+    except Exception as e:  # DCP raises several types for missing/truncated/mismatched shards
+        raise CheckpointError(f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    set_model_state_dict(model, states["model"])
+    set_optimizer_state_dict(model, optimizer, states["optim"], options=_OPTIONS)
+    return trainer_state

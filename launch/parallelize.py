@@ -1,0 +1,174 @@
+"""Apply a (dp, tp, pp) layout to a plain GPT: pipeline split, then tensor parallel, then data parallel.
+
+`parallelize(model, mesh, strategy)` returns a `ParallelModel` that runs one step's micro-batches
+(pipeline schedule when pp > 1, gradient accumulation when pp = 1) and knows which of its
+parameters' gradient shards each rank must count so that norms cover the whole model exactly once.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from cona_cli.strategy import Strategy
+from launch.model import GPT, loss_fn
+
+
+def split_for_stage(model: GPT, pp_rank: int, pp: int) -> None:
+    """Keep only this pipeline stage's layers (global indices kept as keys); drop ends it does not hold."""
+    n = len(model.layers)
+    per_stage = n // pp
+    owned = set(range(pp_rank * per_stage, (pp_rank + 1) * per_stage))
+    for key in list(model.layers.keys()):
+        if int(key) not in owned:
+            del model.layers[key]
+    if pp_rank != 0:
+        model.tok_embeddings = None
+    if pp_rank != pp - 1:
+        model.norm = None
+        model.output = None
+
+
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP: column-parallel q/k/v and w1, row-parallel wo and w2, vocab-parallel ends."""
+    if model.tok_embeddings is not None:
+        parallelize_module(model, tp_mesh, {"tok_embeddings": RowwiseParallel(input_layouts=Replicate())})
+    if model.output is not None:
+        parallelize_module(model, tp_mesh, {"output": ColwiseParallel(output_layouts=Replicate())})
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, plan)
+
+
+@dataclass
+class ParallelModel:
+    """The local piece of the model under a layout, and how to run a step on it."""
+
+    model: GPT  # unwrapped local module: the state dict and the optimiser use it
+    wrapped: nn.Module  # what runs forward (DDP / FSDP / plain)
+    mesh: DeviceMesh
+    strategy: Strategy
+    schedule: object | None = None
+    count_grad: list[bool] = field(default_factory=list)  # per parameter: this rank counts its shard
+    dp_group: dist.ProcessGroup | None = None  # set when gradients are averaged here, not by DDP/FSDP
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.tok_embeddings is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.output is not None
+
+    def forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Run the step's micro-batches with backward; returns the summed micro-batch losses (last stage)."""
+        if self.schedule is not None:
+            total = self._pipeline(micro, train=True)
+        else:
+            total = 0.0
+            m = len(micro)
+            for i, (x, y) in enumerate(micro):
+                sync = i == m - 1 or not isinstance(self.wrapped, DDP)
+                with nullcontext() if sync else self.wrapped.no_sync():
+                    loss = loss_fn(self.wrapped(x), y)
+                    (loss / m).backward()
+                total += loss.item()
+        if self.dp_group is not None:
+            self._average_grads()
+        return total
+
+    def _average_grads(self) -> None:
+        """Data-parallel gradient average of the local (TP-sharded) gradients in one flat all-reduce."""
+        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.strategy.dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    @torch.no_grad()
+    def evaluate(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Forward only; returns the summed micro-batch losses (last stage)."""
+        if self.schedule is not None:
+            return self._pipeline(micro, train=False)
+        return sum(loss_fn(self.wrapped(x), y).item() for x, y in micro)
+
+    def _pipeline(self, micro: list[tuple[torch.Tensor, torch.Tensor]], train: bool) -> float:
+        x = torch.cat([m[0] for m in micro]) if self.is_first else None
+        y = torch.cat([m[1] for m in micro]) if self.is_last else None
+        losses: list[torch.Tensor] = []
+        args = (x,) if x is not None else ()
+        run = self.schedule.step if train else self.schedule.eval
+        run(*args, target=y, losses=losses if self.is_last else None, return_outputs=False)
+        return float(sum(loss.item() for loss in losses))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _counting_mask(model: nn.Module, mesh: DeviceMesh) -> list[bool]:
+    """Per parameter: whether this rank's local gradient shard is the one to count in global norms.
+
+    A shard is counted on exactly one rank among those holding identical copies: coordinate 0 on
+    every mesh dimension over which the parameter is replicated (data-parallel copies included).
+    """
+    coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    mask = []
+    for p in model.parameters():
+        sharded_dims: set[str] = set()
+        if isinstance(p, DTensor):
+            names = p.device_mesh.mesh_dim_names
+            sharded_dims = {names[i] for i, pl in enumerate(p.placements) if isinstance(pl, Shard)}
+        mask.append(all(coord[d] == 0 for d in ("dp", "tp") if d not in sharded_dims))
+    return mask
+
+
+def parallelize(model: GPT, mesh: DeviceMesh, strategy: Strategy, *, dp_impl: str = "ddp",
+                pp_schedule: str = "1f1b") -> ParallelModel:
+    """Apply the layout in a fixed order: pipeline split, tensor parallel, data parallel, schedule."""
+    pp_rank = mesh["pp"].get_local_rank()
+    if strategy.pp > 1:
+        split_for_stage(model, pp_rank, strategy.pp)
+    if strategy.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    wrapped: nn.Module = model
+    if dp_impl == "fsdp":
+        dp_mesh = mesh["dp"]
+        for block in model.layers.values():
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=strategy.pp == 1)
+    elif strategy.dp > 1 and strategy.tp == 1:
+        wrapped = DDP(model, process_group=mesh["dp"].get_group(), broadcast_buffers=False)
+    pm = ParallelModel(model=model, wrapped=wrapped, mesh=mesh, strategy=strategy,
+                       count_grad=_counting_mask(model, mesh))
+    if dp_impl == "ddp" and strategy.dp > 1 and strategy.tp > 1:
+        # DDP's reducer rejects DTensor parameters (mixed Tensor/DTensor ops); average the local
+        # shards ourselves after backward, over the dp group only.
+        pm.dp_group = mesh["dp"].get_group()
+    if strategy.pp > 1:
+        stage = PipelineStage(wrapped, pp_rank, strategy.pp, torch.device("cpu"), group=mesh["pp"].get_group())
+        schedule_cls = Schedule1F1B if pp_schedule == "1f1b" else ScheduleGPipe
+        pm.schedule = schedule_cls(stage, n_microbatches=strategy.n_microbatches, loss_fn=loss_fn)
+    return pm
+
+
+def build_mesh(strategy: Strategy, device: str) -> DeviceMesh:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert dist.get_world_size() == strategy.world
+    return init_device_mesh(device, (strategy.pp, strategy.dp, strategy.tp), mesh_dim_names=("pp", "dp", "tp"))

@@ -1,0 +1,66 @@
+"""Worker side of telemetry: rank 0 streams JSON lines to the controller and polls for commands.
+
+Best effort: if the controller is unreachable or goes away, training goes on (metrics.jsonl is
+written regardless).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+
+class TelemetryClient:
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+        self._buf = b""
+        addr, token = os.environ.get("CONA_TELEMETRY_ADDR"), os.environ.get("CONA_TELEMETRY_TOKEN")
+        if not addr or not token:
+            return
+        host, _, port = addr.rpartition(":")
+        try:
+            self._sock = socket.create_connection((host, int(port)), timeout=5)
+            self._sock.setblocking(False)
+        except OSError:
+            self._sock = None
+            return
+        self.send({"type": "hello", "token": token})
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.setblocking(True)
+            self._sock.settimeout(2)
+            self._sock.sendall((json.dumps(message) + "\n").encode())
+            self._sock.setblocking(False)
+        except OSError:
+            self._sock = None
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Commands received since the last poll (non-blocking)."""
+        if self._sock is None:
+            return []
+        try:
+            while True:
+                chunk = self._sock.recv(65536)
+                if not chunk:
+                    self._sock = None
+                    break
+                self._buf += chunk
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._sock = None
+        *lines, self._buf = self._buf.split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                msg = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                continue
+            if isinstance(msg, dict):
+                out.append(msg)
+        return out

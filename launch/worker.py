@@ -1,0 +1,248 @@
+"""What torchrun runs: one rank of a training job under one strategy.
+
+`python -m launch.worker --run-dir RUN --strategy dp2-tp1-pp2-mbs2-gbs16 --launch 2 [--resume CKPT]
+[--stop-step N]`. Trains from the checkpoint (or from scratch) until a stop rule, the stage end or a
+controller command, saves a checkpoint and writes `RUN/launches/NNN.json` saying why it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cona_cli.config import Config, config_from_json
+from cona_cli.strategy import Strategy
+from launch import checkpoint
+from launch.data import CorpusInfo, TokenStream, eval_batches, replica_microbatches
+from launch.gradstats import local_grad_sq, scale_grads
+from launch.lr import learning_rate
+from launch.model import GPT, GPTArgs
+from launch.parallelize import ParallelModel, build_mesh, parallelize
+from launch.telemetry import TelemetryClient
+
+CORPUS_FILE = "corpus.json"
+CONFIG_FILE = "config.resolved.json"
+_STOP_COMMAND, _STOP_TIME = 1.0, 2.0
+
+
+@dataclass
+class TrainerState:
+    """Everything besides model and optimizer that a checkpoint must carry to continue exactly."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    time: float = 0.0  # run time of the last step
+    last_eval_time: float = 0.0
+    best_val_ppl: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Worker:
+    def __init__(self, cfg: Config, run_dir: Path, strategy: Strategy, launch: int) -> None:
+        self.cfg, self.run_dir, self.strategy, self.launch = cfg, run_dir, strategy, launch
+        self.rank = dist.get_rank()
+        self.run_start = float(os.environ.get("CONA_RUN_START", time.time()))
+        corpus = CorpusInfo.from_json((run_dir / CORPUS_FILE).read_text())
+        m = cfg.model
+        self.seq_len = m.seq_len
+        self.train_stream = TokenStream(corpus.train_path, m.seq_len, cfg.train.seed)
+        self.valid_path = corpus.valid_path
+        device = "cuda" if cfg.cluster.backend == "nccl" else "cpu"
+        self.mesh = build_mesh(strategy, device)
+        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.tp_rank = self.mesh["tp"].get_local_rank()
+        self.pp_rank = self.mesh["pp"].get_local_rank()
+        model = GPT(GPTArgs(m.n_layers, m.d_model, m.n_heads, m.kv_heads, m.ffn, m.seq_len,
+                            corpus.vocab_size, m.dropout))
+        model.init_weights(cfg.train.seed)
+        self.pm: ParallelModel = parallelize(model, self.mesh, strategy, dp_impl=cfg.train.dp_impl,
+                                             pp_schedule=cfg.train.pp_schedule)
+        t = cfg.train
+        self.opt = torch.optim.AdamW(self.pm.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+                                     weight_decay=t.weight_decay, foreach=False)
+        self.state = TrainerState()
+        self.ckpt_root = run_dir / "checkpoints"
+        self.telemetry = TelemetryClient() if self.rank == 0 else None
+        self.stop_requested = False
+        self.metrics = open(run_dir / "metrics.jsonl", "a") if self.rank == 0 else None
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return time.time() - self.run_start
+
+    def emit(self, row: dict[str, Any]) -> None:
+        """Rank 0: append a metrics row and stream it to the controller."""
+        if self.metrics is None:
+            return
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+        if self.telemetry is not None:
+            self.telemetry.send({"type": "metric", **row})
+
+    def restore(self, path: Path) -> None:
+        saved = checkpoint.load(path, self.pm.model, self.opt)
+        self.state = TrainerState(**saved["trainer"])
+
+    def save(self, reason: str) -> Path:
+        trainer = {"trainer": self.state.__dict__, "strategy": self.strategy.to_dict(), "launch": self.launch}
+        path, seconds, nbytes = checkpoint.save(self.ckpt_root, self.state.step, self.pm.model, self.opt,
+                                                trainer, self.cfg.train.checkpoint_keep)
+        if self.telemetry is not None:
+            self.telemetry.send({"type": "checkpoint", "step": self.state.step, "path": str(path),
+                                 "seconds": round(seconds, 4), "bytes": nbytes, "reason": reason})
+        return path
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def _reduce(self, values: list[float]) -> list[float]:
+        """Sum a few scalars over all ranks with one all-reduce."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _counts_loss(self) -> bool:
+        return self.pm.is_last and self.tp_rank == 0
+
+    def time_is_up(self) -> bool:
+        return self.cfg.train.max_time is not None and self.now() >= self.cfg.train.max_time
+
+    def train_step(self, want_eval: bool) -> tuple[float, float, str | None, bool]:
+        s, st, t = self.strategy, self.state, self.cfg.train
+        lr = learning_rate(t, st.consumed_samples * self.seq_len, s.gbs)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        torch.manual_seed(t.seed * 1_000_003 + st.step * 1009 + self.dp_rank * 31 + self.pp_rank)
+        micro = replica_microbatches(self.train_stream, st.consumed_samples, s.gbs, s.dp, self.dp_rank, s.mbs)
+        self.opt.zero_grad(set_to_none=True)
+        loss_sum = self.pm.forward_backward(micro)
+        # Rank 0 decides time- and command-driven stops and evaluations for everyone.
+        stop = 0.0
+        if self.rank == 0:
+            stop = _STOP_COMMAND if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
+        loss_total, grad_sq, stop_code, eval_votes = self._reduce(
+            [loss_sum if self._counts_loss() else 0.0, float(local_grad_sq(self.pm)),
+             stop, float(self.rank == 0 and want_eval)])
+        grad_norm = math.sqrt(grad_sq)
+        if t.grad_clip and grad_norm > t.grad_clip:
+            scale_grads(self.pm, t.grad_clip / (grad_norm + 1e-6))
+        self.opt.step()
+        st.step += 1
+        st.consumed_samples += s.gbs
+        stop_reason = {_STOP_COMMAND: "command", _STOP_TIME: "max_time"}.get(stop_code)
+        return loss_total / (s.dp * s.n_microbatches), grad_norm, stop_reason, eval_votes > 0
+
+    def evaluate(self) -> tuple[float, float]:
+        """Loss over a fixed validation slice, identical under every layout (padded to whole batches)."""
+        s = self.strategy
+        self.pm.model.eval()
+        loss_sum = 0.0
+        for micro in eval_batches(self.valid_path, self.seq_len, self.cfg.train.eval_tokens,
+                                  s.gbs, s.dp, self.dp_rank, s.mbs):
+            loss_sum += self.pm.evaluate(micro) * s.mbs * self.seq_len  # loss_fn divides by all positions
+        self.pm.model.train()
+        n_tokens = max(1, self.cfg.train.eval_tokens // self.seq_len) * self.seq_len
+        (total,) = self._reduce([loss_sum if self._counts_loss() else 0.0])
+        val_loss = total / n_tokens
+        return val_loss, math.exp(min(val_loss, 50.0))
+
+    def run_eval(self) -> float:
+        val_loss, val_ppl = self.evaluate()
+        st = self.state
+        st.last_eval_time = self.now()
+        st.best_val_ppl = val_ppl if st.best_val_ppl is None else min(st.best_val_ppl, val_ppl)
+        self.emit({"kind": "eval", "step": st.step, "time": round(st.last_eval_time, 4), "val_loss": val_loss,
+                   "val_ppl": val_ppl, "consumed_samples": st.consumed_samples, "launch": self.launch})
+        return val_ppl
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def stop_reason(self, val_ppl: float | None) -> str | None:
+        t, st = self.cfg.train, self.state
+        if t.target_ppl is not None and val_ppl is not None and val_ppl <= t.target_ppl:
+            return "target_reached"
+        if t.max_steps is not None and st.step >= t.max_steps:
+            return "max_steps"
+        if t.max_tokens is not None and st.consumed_samples * self.seq_len >= t.max_tokens:
+            return "max_tokens"
+        return None
+
+    def eval_due(self) -> bool:
+        t, st = self.cfg.train, self.state
+        by_steps = t.eval_interval is not None and (st.step + 1) % t.eval_interval == 0
+        by_time = t.eval_interval_s is not None and self.now() - st.last_eval_time >= t.eval_interval_s
+        return by_steps or by_time
+
+    def poll_commands(self) -> None:
+        if self.telemetry is None:
+            return
+        for msg in self.telemetry.poll():
+            if msg.get("cmd") == "checkpoint_and_exit":
+                self.stop_requested = True
+
+    def train(self, stop_step: int | None, fresh: bool) -> dict[str, Any]:
+        t, st, s = self.cfg.train, self.state, self.strategy
+        if self.telemetry is not None:
+            self.telemetry.send({"type": "ready", "launch": self.launch, "step": st.step, "time": self.now()})
+        if fresh and (t.eval_interval or t.eval_interval_s):
+            self.run_eval()
+        reason = None
+        while reason is None:
+            if stop_step is not None and st.step >= stop_step:
+                reason = "stage_end"
+                break
+            self.poll_commands()
+            t0 = time.perf_counter()
+            loss, grad_norm, stop, do_eval = self.train_step(self.eval_due())
+            iter_s = time.perf_counter() - t0
+            st.time = self.now()
+            self.emit({"kind": "step", "step": st.step, "time": round(st.time, 4), "loss": loss,
+                       "lr": self.opt.param_groups[0]["lr"], **s.to_dict(), "iter_s": iter_s,
+                       "tokens_per_s": s.gbs * self.seq_len / iter_s, "consumed_samples": st.consumed_samples,
+                       "grad_norm": grad_norm, "launch": self.launch})
+            val_ppl = self.run_eval() if do_eval else None
+            reason = self.stop_reason(val_ppl) or stop
+        path = self.save({"stage_end": "switch", "command": "interrupt"}.get(reason, "final"))
+        return {"reason": reason, "step": st.step, "consumed_samples": st.consumed_samples,
+                "time": st.time, "checkpoint": str(path), "best_val_ppl": st.best_val_ppl}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--strategy", required=True, type=Strategy.parse)
+    parser.add_argument("--launch", type=int, default=1)
+    parser.add_argument("--resume", type=Path)
+    parser.add_argument("--stop-step", type=int)
+    args = parser.parse_args()
+    cfg = config_from_json((args.run_dir / CONFIG_FILE).read_text(), str(args.run_dir / CONFIG_FILE))
+    backend = "nccl" if cfg.cluster.backend == "nccl" else "gloo"
+    dist.init_process_group(backend)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    worker = Worker(cfg, args.run_dir, args.strategy, args.launch)
+    # SIGTERM from torchrun or the controller: finish the step, checkpoint, exit.
+    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop_requested", True))
+    if args.resume is not None:
+        worker.restore(args.resume)
+    result = worker.train(args.stop_step, fresh=args.resume is None)
+    if worker.rank == 0:
+        out = args.run_dir / "launches" / f"{args.launch:03d}.json"
+        out.parent.mkdir(exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

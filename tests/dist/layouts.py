@@ -1,0 +1,107 @@
+"""Run under torchrun (4 ranks): every layout vs a single-process reference, and DCP resharding.
+
+Usage: torchrun --standalone --nproc-per-node 4 tests/dist/layouts.py RUN_DIR OUT_JSON
+RUN_DIR holds config.resolved.json and corpus.json (written by the pytest side).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+
+from cona_cli.config import config_from_json
+from cona_cli.strategy import Strategy
+from launch.data import CorpusInfo, TokenStream
+from launch.lr import learning_rate
+from launch.model import GPT, GPTArgs, loss_fn
+from launch.worker import Worker
+
+LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (1, 4, 1)]
+STEPS = 3
+RESHARD = [((2, 2, 1, 2, 16), (4, 1, 1, 2, 16)), ((4, 1, 1, 2, 16), (1, 2, 2, 2, 16)),
+           ((2, 1, 2, 2, 16), (1, 1, 4, 2, 16)), ((2, 2, 1, 2, 16), (2, 1, 2, 1, 32))]
+
+
+def reference_losses(cfg, corpus: CorpusInfo, gbs: int, steps: int) -> list[float]:
+    """Plain single-process training: the same init, data, clipping, AdamW and LR rule."""
+    m, t = cfg.model, cfg.train
+    model = GPT(GPTArgs(m.n_layers, m.d_model, m.n_heads, m.kv_heads, m.ffn, m.seq_len, corpus.vocab_size))
+    model.init_weights(t.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    stream = TokenStream(corpus.train_path, m.seq_len, t.seed)
+    losses = []
+    for step in range(steps):
+        x, y = stream.samples(step * gbs, gbs)
+        for g in opt.param_groups:
+            g["lr"] = learning_rate(t, step * gbs * m.seq_len, gbs)
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()))
+        if t.grad_clip and norm > t.grad_clip:
+            for p in model.parameters():
+                p.grad.mul_(t.grad_clip / (norm + 1e-6))
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def full_state(w: Worker) -> dict[str, torch.Tensor]:
+    """Whole-model parameters and Adam moments by fully qualified name, gathered on every rank."""
+    local = {}
+    for name, p in w.pm.model.named_parameters():
+        local[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+    osd = get_optimizer_state_dict(w.pm.model, w.opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    for key, v in osd.items():
+        if key.startswith("state.") and key.endswith(("exp_avg", "exp_avg_sq")):
+            local[key] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+    gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, local)
+    merged = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+def main() -> None:
+    run_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    cfg = config_from_json((run_dir / "config.resolved.json").read_text(), "test")
+    corpus = CorpusInfo.from_json((run_dir / "corpus.json").read_text())
+    results: dict = {"layouts": {}, "reshard": []}
+    gbs = 16
+    results["reference"] = reference_losses(cfg, corpus, gbs, STEPS)
+    for dp, tp, pp in LAYOUTS:
+        s = Strategy(dp, tp, pp, 2, gbs)
+        w = Worker(cfg, run_dir, s, launch=1)
+        results["layouts"][str(s)] = [w.train_step(False)[0] for _ in range(STEPS)]
+    for i, (a, b) in enumerate(RESHARD):
+        wa = Worker(cfg, run_dir, Strategy(*a), launch=1)
+        wa.ckpt_root = run_dir / f"ckpt_{i}"
+        for _ in range(2):
+            wa.train_step(False)
+        before, loss_a = full_state(wa), wa.evaluate()[0]
+        path = wa.save("switch")
+        wb = Worker(cfg, run_dir, Strategy(*b), launch=2)
+        wb.restore(path)
+        after, loss_b = full_state(wb), wb.evaluate()[0]
+        max_diff = max(float((before[k] - after[k]).abs().max()) for k in before)
+        results["reshard"].append({"from": str(Strategy(*a)), "to": str(Strategy(*b)), "keys": len(before),
+                                   "same_keys": sorted(before) == sorted(after), "max_abs_diff": max_diff,
+                                   "loss_before": loss_a, "loss_after": loss_b, "step": wb.state.step,
+                                   "consumed": wb.state.consumed_samples})
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
