@@ -17,11 +17,11 @@ from cona_cli.controller import Controller
 from cona_cli.policy import ChainPolicy, Policy, StaticPolicy
 from cona_cli.strategy import Strategy, StrategyError
 
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    err.print(f"cona: {message}", markup=False, highlight=False)
+    typer.echo(f"cona: {message}", err=True)
     return typer.Exit(code)
 
 

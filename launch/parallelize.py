@@ -152,13 +152,15 @@ def parallelize(model: GPT, mesh: DeviceMesh, strategy: Strategy, *, dp_impl: st
         for block in model.layers.values():
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=strategy.pp == 1)
-    elif strategy.dp > 1 and strategy.tp == 1:
+    elif strategy.dp > 1 and strategy.tp == 1 and strategy.pp == 1:
         wrapped = DDP(model, process_group=mesh["dp"].get_group(), broadcast_buffers=False)
     pm = ParallelModel(model=model, wrapped=wrapped, mesh=mesh, strategy=strategy,
                        count_grad=_counting_mask(model, mesh))
-    if dp_impl == "ddp" and strategy.dp > 1 and strategy.tp > 1:
-        # DDP's reducer rejects DTensor parameters (mixed Tensor/DTensor ops); average the local
-        # shards ourselves after backward, over the dp group only.
+    if dp_impl == "ddp" and strategy.dp > 1 and wrapped is model:
+        # Measured with torch 2.13 on gloo: DDP's reducer rejects DTensor parameters under TP (mixed
+        # Tensor/DTensor ops), and under pipelining with 2 micro-batches it fails its bucket rebuild
+        # (INTERNAL ASSERT in reducer.cpp). There the local gradients are averaged here, after the
+        # step's backward passes, in one flat all-reduce over the dp group.
         pm.dp_group = mesh["dp"].get_group()
     if strategy.pp > 1:
         stage = PipelineStage(wrapped, pp_rank, strategy.pp, torch.device("cpu"), group=mesh["pp"].get_group())

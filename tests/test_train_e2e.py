@@ -1,0 +1,82 @@
+"""`cona train` end to end: a 3-stage chain with real torchrun relaunches, and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support import REPO, TINY, write_config
+
+pytestmark = pytest.mark.e2e
+
+CHAIN = [{"dp": 2, "tp": 1, "pp": 2, "mbs": 2, "gbs": 8, "steps": 8},
+         {"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 16, "steps": 8},
+         {"dp": 2, "tp": 2, "pp": 1, "mbs": 4, "gbs": 32}]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _cona(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from cona_cli.app import main; main()", *args]
+
+
+def test_three_stage_chain(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "tiny.yaml", {**TINY, "strategy": None,
+                                                "train": {**TINY["train"], "max_steps": 22}})
+    (tmp_path / "chain.yaml").write_text(yaml.safe_dump({"chain": CHAIN}))
+    run = tmp_path / "run"
+    proc = subprocess.run(_cona("train", str(cfg), "--chain", str(tmp_path / "chain.yaml"), "--run-dir", str(run)),
+                          capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = _rows(run / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("launch") == 3 and kinds.count("switch") == 2, kinds
+    assert events[-1]["kind"] == "exit" and events[-1]["reason"] == "max_steps"
+    switches = [e for e in events if e["kind"] == "switch"]
+    assert [s["step"] for s in switches] == [8, 16]
+    assert [s["to"]["gbs"] for s in switches] == [16, 32] and all(s["seconds"] > 0 for s in switches)
+
+    steps = [r for r in _rows(run / "metrics.jsonl") if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 23))  # no gap, no repeat
+    consumed = 0
+    for r in steps:  # every sample exactly once, in order, across the switches
+        consumed += r["gbs"]
+        assert r["consumed_samples"] == consumed
+    assert [r["gbs"] for r in steps] == [8] * 8 + [16] * 8 + [32] * 6
+    for boundary in (8, 16):  # the loss right after a switch continues the curve
+        before = [r["loss"] for r in steps[boundary - 3:boundary]]
+        after = steps[boundary]["loss"]
+        assert after < max(before) + 0.25, (boundary, before, after)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+    evals = [r for r in _rows(run / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals[0]["step"] == 0 and evals[-1]["val_ppl"] < evals[0]["val_ppl"]
+
+
+def test_ctrl_c_checkpoints_and_exits_130(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "tiny.yaml", {**TINY, "train": {**TINY["train"], "max_steps": 100000}})
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_cona("train", str(cfg), "--run-dir", str(run)), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and '"step": 3,' in metrics.read_text()):
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    events = _rows(run / "events.jsonl")
+    assert [e["kind"] for e in events][-2:] == ["interrupted", "exit"]
+    ckpt = [e for e in events if e["kind"] == "checkpoint"][-1]
+    last_step = [r for r in _rows(metrics) if r["kind"] == "step"][-1]["step"]
+    assert ckpt["reason"] == "interrupt" and ckpt["step"] == last_step
+    assert (Path(ckpt["path"]) / "COMMITTED").is_file()
