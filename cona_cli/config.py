@@ -132,6 +132,8 @@ class SearchConfig:
     exhaustive_max: int = _f(64, _non_negative)
     budget: int = _f(24, _positive)
     seed: int = _f(0, _non_negative)
+    n_initial: int = _f(6, _positive)
+    ei_stop: float = _f(1e-4, _fraction)
 
 
 @dataclass(frozen=True)

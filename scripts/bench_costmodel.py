@@ -1,0 +1,74 @@
+"""Accuracy of the calibrated iteration-time model on this machine.
+
+Reads recorded step times of configs/tiny.yaml (scripts/data/layout_times_cpu.json, written by
+scripts/bench_layouts.py: a list of {"dp","tp","pp","mbs","gbs","iter_s"}), keeps the rows with
+dp*tp*pp equal to the config's world size, fits the cpu-local profile on a few layouts (the ones
+with the largest dp, tp and pp first) and prints the MAPE of the predictions on the rest.
+Usage: .venv/bin/python scripts/bench_costmodel.py [--data PATH] [--fit N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from cona_cli.calibration import Calibrator
+from cona_cli.config import load_config
+from cona_cli.costmodel import Workload, as_array, load_hardware
+from cona_cli.strategy import Strategy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=ROOT / "scripts" / "data" / "layout_times_cpu.json")
+    parser.add_argument("--fit", type=int, default=3, help="layouts to fit on")
+    args = parser.parse_args()
+    if not args.data.is_file():
+        print(f"{args.data}: no recorded measurements (run scripts/bench_layouts.py first)")
+        return 2
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    rows = json.loads(args.data.read_text())
+    times: dict[Strategy, list[float]] = {}
+    for r in rows:
+        s = Strategy(r["dp"], r["tp"], r["pp"], r["mbs"], r["gbs"])
+        if s.world == cfg.cluster.world:
+            times.setdefault(s, []).append(r["iter_s"])
+    skipped = len(rows) - sum(len(v) for v in times.values())
+    # fit set: the most dp-, tp- and pp-heavy layouts first, then the others in order
+    order = sorted(times)
+    fit = []
+    for axis in ("dp", "tp", "pp"):
+        pick = max((s for s in order if s not in fit), key=lambda s: (getattr(s, axis), -s.world), default=None)
+        if pick is not None:
+            fit.append(pick)
+    fit = (fit + [s for s in order if s not in fit])[:args.fit]
+    held = [s for s in order if s not in fit]
+    if not held:
+        print(f"{args.data}: {len(times)} layouts of world {cfg.cluster.world}, need more than --fit {args.fit}")
+        return 2
+    hw = load_hardware("cpu-local")
+    cal = Calibrator(Workload.from_config(cfg), hw, seed=cfg.search.seed)
+    for s in fit:
+        for t in times[s]:
+            cal.add(s, t)
+    cal.fit()
+    measured = np.array([np.median(times[s]) for s in held])
+    predicted, std = cal.predict(as_array(held))
+    errors = np.abs(predicted - measured) / measured
+    print(f"{len(rows)} rows, {skipped} skipped (world != {cfg.cluster.world}); fitted on "
+          f"{', '.join(map(str, fit))}")
+    print("fitted " + ", ".join(f"{k}={v:.3g}" for k, v in cal.to_dict()["params"].items()))
+    for s, m, p, e in zip(held, measured, predicted, errors):
+        print(f"  {str(s):<26} measured {m:7.3f} s  predicted {p:7.3f} s  error {e:6.1%}")
+    print(f"MAPE on {len(held)} held-out layouts: {errors.mean():.1%} (target <= 10%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

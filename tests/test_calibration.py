@@ -1,0 +1,73 @@
+"""Calibration: least-squares recovery of profile parameters, GP residual, measured medians, state dict."""
+
+import dataclasses
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from cona_cli.calibration import UNCALIBRATED_REL_STD, Calibrator
+from cona_cli.costmodel import Workload, as_array, iteration_time, load_hardware
+from cona_cli.strategy import Strategy
+
+W = Workload(n_layers=4, d_model=64, n_heads=4, kv_heads=4, ffn=256, seq_len=64, vocab=512, procs_per_node=4)
+LAYOUTS = [Strategy(dp, tp, pp, mbs, 32) for (dp, tp, pp), mbs in itertools.product(
+    [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (1, 4, 1)], [1, 4])]
+
+
+def _measure(cal, true_hw, strategies, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    t = iteration_time(as_array(strategies), W, true_hw) * np.exp(noise * rng.standard_normal(len(strategies)))
+    for s, v in zip(strategies, t):
+        cal.add(s, float(v))
+
+
+def test_least_squares_recovers_known_parameters():
+    prior = load_hardware("cpu-local")
+    true_hw = dataclasses.replace(prior, mfu_max=0.3, step_overhead_ms=45.0, layer_overhead_us=2000.0)
+    cal = Calibrator(W, prior, free=("mfu_max", "step_overhead_ms", "layer_overhead_us"))
+    _measure(cal, true_hw, LAYOUTS)
+    cal.fit()
+    for name in ("mfu_max", "step_overhead_ms", "layer_overhead_us"):
+        assert getattr(cal.fitted, name) == pytest.approx(getattr(true_hw, name), rel=0.05), name
+
+
+def test_all_free_parameters_and_gp_predict_held_out_layouts():
+    prior = load_hardware("cpu-local")
+    true_hw = dataclasses.replace(prior, mfu_max=0.25, layer_overhead_us=1500.0, tp_overhead_us=8000.0)
+    cal = Calibrator(W, prior)
+    train, held = LAYOUTS[::2], LAYOUTS[1::2]
+    _measure(cal, true_hw, train, noise=0.02)
+    cal.fit()
+    mean, std = cal.predict(as_array(held))
+    truth = iteration_time(as_array(held), W, true_hw)
+    assert np.mean(np.abs(mean - truth) / truth) < 0.1
+    assert (std > 0).all()
+
+
+def test_measured_strategies_return_their_median_and_uncalibrated_has_prior_std():
+    cal = Calibrator(W, load_hardware("cpu-local"))
+    x = as_array(LAYOUTS[:2])
+    mean, std = cal.predict(x)
+    assert std == pytest.approx(mean * UNCALIBRATED_REL_STD)
+    for v in (0.30, 0.10, 0.20):
+        cal.add(LAYOUTS[0], v)
+    cal.add(LAYOUTS[1], 0.5)
+    cal.fit()
+    mean, std = cal.predict(x)
+    assert mean[0] == pytest.approx(0.20) and mean[1] == pytest.approx(0.5)
+    assert std[0] == pytest.approx(np.std([0.3, 0.1, 0.2])) and std[1] == 0
+
+
+def test_state_round_trips_through_json():
+    prior = load_hardware("cpu-local")
+    cal = Calibrator(W, prior, seed=3)
+    _measure(cal, dataclasses.replace(prior, mfu_max=0.3), LAYOUTS[:5], noise=0.05)
+    cal.fit()
+    restored = Calibrator.from_dict(json.loads(json.dumps(cal.to_dict())), W, prior)
+    x = as_array(LAYOUTS)
+    np.testing.assert_allclose(restored.predict(x)[0], cal.predict(x)[0], rtol=1e-9)
+    np.testing.assert_allclose(restored.predict(x)[1], cal.predict(x)[1], rtol=1e-6, atol=1e-12)
+    with pytest.raises(ValueError, match="hardware"):
+        Calibrator.from_dict(cal.to_dict(), W, load_hardware("a6000-2x8"))
