@@ -110,6 +110,8 @@ class TrainConfig:
     max_time: float | None = _f(None, _positive)
     target_ppl: float | None = _f(None, lambda v: None if v > 1 else "must be > 1")
     checkpoint_keep: int = _f(2, _positive)
+    gns: bool = _f(True)  # measure the gradient noise scale every step
+    gns_window: float = _f(1024.0, _positive)  # samples over which the GNS smoothing forgets
     dp_impl: str = _f("ddp", _one_of("ddp", "fsdp"))
     pp_schedule: str = _f("1f1b", _one_of("1f1b", "gpipe"))
 

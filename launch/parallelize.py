@@ -61,8 +61,13 @@ class ParallelModel:
     mesh: DeviceMesh
     strategy: Strategy
     schedule: object | None = None
-    count_grad: list[bool] = field(default_factory=list)  # per parameter: this rank counts its shard
+    coord: dict[str, int] = field(default_factory=dict)  # this rank's (pp, dp, tp) coordinates
     dp_group: dist.ProcessGroup | None = None  # set when gradients are averaged here, not by DDP/FSDP
+
+    def counted_grads(self, dims: tuple[str, ...]) -> list[torch.Tensor]:
+        """Local gradient pieces this rank counts (see `counts_here`)."""
+        return [_local(p.grad) for p in self.model.parameters()
+                if p.grad is not None and counts_here(p.grad, self.coord, dims)]
 
     @property
     def is_first(self) -> bool:
@@ -85,12 +90,13 @@ class ParallelModel:
                     loss = loss_fn(self.wrapped(x), y)
                     (loss / m).backward()
                 total += loss.item()
-        if self.dp_group is not None:
-            self._average_grads()
         return total
 
-    def _average_grads(self) -> None:
-        """Data-parallel gradient average of the local (TP-sharded) gradients in one flat all-reduce."""
+    def average_grads(self) -> None:
+        """Data-parallel gradient average where DDP/FSDP did not already do it during backward:
+        the local (TP-sharded) gradients in one flat all-reduce over the dp group."""
+        if self.dp_group is None:
+            return
         grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
@@ -121,21 +127,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _counting_mask(model: nn.Module, mesh: DeviceMesh) -> list[bool]:
-    """Per parameter: whether this rank's local gradient shard is the one to count in global norms.
+def counts_here(grad: torch.Tensor, coord: dict[str, int], dims: tuple[str, ...]) -> bool:
+    """Whether this rank's local piece of `grad` is the one to count in norms summed over ranks.
 
-    A shard is counted on exactly one rank among those holding identical copies: coordinate 0 on
-    every mesh dimension over which the parameter is replicated (data-parallel copies included).
+    Among ranks holding identical copies along `dims`, exactly one counts: coordinate 0 on every
+    dimension of `dims` over which the gradient is replicated. With dims = (dp, tp) a sum over all
+    ranks gives the whole model's norm once; with (tp,) once per data-parallel replica. Placements
+    are read from the gradient, not the parameter: under TP the embedding's gradient comes back
+    Replicate although its weight is Shard(0).
     """
-    coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-    mask = []
-    for p in model.parameters():
-        sharded_dims: set[str] = set()
-        if isinstance(p, DTensor):
-            names = p.device_mesh.mesh_dim_names
-            sharded_dims = {names[i] for i, pl in enumerate(p.placements) if isinstance(pl, Shard)}
-        mask.append(all(coord[d] == 0 for d in ("dp", "tp") if d not in sharded_dims))
-    return mask
+    sharded: set[str] = set()
+    if isinstance(grad, DTensor):
+        names = grad.device_mesh.mesh_dim_names
+        sharded = {names[i] for i, pl in enumerate(grad.placements) if isinstance(pl, Shard)}
+    return all(coord[d] == 0 for d in dims if d not in sharded)
 
 
 def parallelize(model: GPT, mesh: DeviceMesh, strategy: Strategy, *, dp_impl: str = "ddp",
@@ -153,9 +158,9 @@ def parallelize(model: GPT, mesh: DeviceMesh, strategy: Strategy, *, dp_impl: st
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=strategy.pp == 1)
     elif strategy.dp > 1 and strategy.tp == 1 and strategy.pp == 1:
-        wrapped = DDP(model, process_group=mesh["dp"].get_group(), broadcast_buffers=False)
+        wrapped = DDP(model, process_group=mesh["dp"].get_group(), forward_sync_buffers=False)
     pm = ParallelModel(model=model, wrapped=wrapped, mesh=mesh, strategy=strategy,
-                       count_grad=_counting_mask(model, mesh))
+                       coord=dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())))
     if dp_impl == "ddp" and strategy.dp > 1 and wrapped is model:
         # Measured with torch 2.13 on gloo: DDP's reducer rejects DTensor parameters under TP (mixed
         # Tensor/DTensor ops), and under pipelining with 2 micro-batches it fails its bucket rebuild

@@ -24,7 +24,8 @@ from cona_cli.config import Config, config_from_json
 from cona_cli.strategy import Strategy
 from launch import checkpoint
 from launch.data import CorpusInfo, TokenStream, eval_batches, replica_microbatches
-from launch.gradstats import local_grad_sq, scale_grads
+from cona_cli.gns import NoiseScale, two_batch_estimate
+from launch.gradstats import SmallBatchNorms, local_grad_sq, scale_grads
 from launch.lr import learning_rate
 from launch.model import GPT, GPTArgs
 from launch.parallelize import ParallelModel, build_mesh, parallelize
@@ -71,6 +72,8 @@ class Worker:
         self.opt = torch.optim.AdamW(self.pm.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                      weight_decay=t.weight_decay, foreach=False)
         self.state = TrainerState()
+        self.small = SmallBatchNorms(self.pm) if t.gns and t.dp_impl == "ddp" else None
+        self.noise = NoiseScale(window=t.gns_window)
         self.ckpt_root = run_dir / "checkpoints"
         self.telemetry = TelemetryClient() if self.rank == 0 else None
         self.stop_requested = False
@@ -93,8 +96,11 @@ class Worker:
     def restore(self, path: Path) -> None:
         saved = checkpoint.load(path, self.pm.model, self.opt)
         self.state = TrainerState(**saved["trainer"])
+        if "gns" in self.state.extra:
+            self.noise = NoiseScale(**{**self.state.extra["gns"], "window": self.cfg.train.gns_window})
 
     def save(self, reason: str) -> Path:
+        self.state.extra["gns"] = self.noise.state_dict()
         trainer = {"trainer": self.state.__dict__, "strategy": self.strategy.to_dict(), "launch": self.launch}
         path, seconds, nbytes = checkpoint.save(self.ckpt_root, self.state.step, self.pm.model, self.opt,
                                                 trainer, self.cfg.train.checkpoint_keep)
@@ -117,22 +123,28 @@ class Worker:
     def time_is_up(self) -> bool:
         return self.cfg.train.max_time is not None and self.now() >= self.cfg.train.max_time
 
-    def train_step(self, want_eval: bool) -> tuple[float, float, str | None, bool]:
+    def train_step(self, want_eval: bool) -> tuple[float, float, str | None, bool, dict[str, float]]:
         s, st, t = self.strategy, self.state, self.cfg.train
-        lr = learning_rate(t, st.consumed_samples * self.seq_len, s.gbs)
+        lr = learning_rate(t, st.consumed_samples * self.seq_len, s.gbs, self.noise.gns)
         for group in self.opt.param_groups:
             group["lr"] = lr
         torch.manual_seed(t.seed * 1_000_003 + st.step * 1009 + self.dp_rank * 31 + self.pp_rank)
         micro = replica_microbatches(self.train_stream, st.consumed_samples, s.gbs, s.dp, self.dp_rank, s.mbs)
         self.opt.zero_grad(set_to_none=True)
+        if self.small is not None:
+            self.small.begin_step()
         loss_sum = self.pm.forward_backward(micro)
+        if self.small is not None:
+            self.small.before_dp_reduce()
+        self.pm.average_grads()
         # Rank 0 decides time- and command-driven stops and evaluations for everyone.
         stop = 0.0
         if self.rank == 0:
             stop = _STOP_COMMAND if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
-        loss_total, grad_sq, stop_code, eval_votes = self._reduce(
-            [loss_sum if self._counts_loss() else 0.0, float(local_grad_sq(self.pm)),
-             stop, float(self.rank == 0 and want_eval)])
+        loss_total, grad_sq, small_sq, stop_code, eval_votes = self._reduce(
+            [loss_sum if self._counts_loss() else 0.0, local_grad_sq(self.pm),
+             self.small.local_share() if self.small is not None else 0.0, stop, float(self.rank == 0 and want_eval)])
+        noise = self._update_noise(small_sq, grad_sq)
         grad_norm = math.sqrt(grad_sq)
         if t.grad_clip and grad_norm > t.grad_clip:
             scale_grads(self.pm, t.grad_clip / (grad_norm + 1e-6))
@@ -140,7 +152,20 @@ class Worker:
         st.step += 1
         st.consumed_samples += s.gbs
         stop_reason = {_STOP_COMMAND: "command", _STOP_TIME: "max_time"}.get(stop_code)
-        return loss_total / (s.dp * s.n_microbatches), grad_norm, stop_reason, eval_votes > 0
+        return loss_total / (s.dp * s.n_microbatches), grad_norm, stop_reason, eval_votes > 0, noise
+
+    def _update_noise(self, small_total: float, big_sq: float) -> dict[str, float]:
+        """Feed one step's norms to the GNS estimator; returns the metric fields."""
+        if self.small is None or not self.small.available:
+            return {}
+        raw_g, raw_tr = two_batch_estimate(self.small.b_small, small_total / self.small.n_small,
+                                           self.strategy.gbs, big_sq)
+        self.noise.update(self.strategy.gbs, raw_g, raw_tr)
+        fields = {"grad_sq_raw": raw_g, "trace_raw": raw_tr}
+        if self.noise.smoothed is not None:
+            fields["grad_sq"], fields["trace"] = self.noise.smoothed
+        fields["gns"] = self.noise.gns
+        return fields
 
     def evaluate(self) -> tuple[float, float]:
         """Loss over a fixed validation slice, identical under every layout (padded to whole batches)."""
@@ -203,13 +228,13 @@ class Worker:
                 break
             self.poll_commands()
             t0 = time.perf_counter()
-            loss, grad_norm, stop, do_eval = self.train_step(self.eval_due())
+            loss, grad_norm, stop, do_eval, noise = self.train_step(self.eval_due())
             iter_s = time.perf_counter() - t0
             st.time = self.now()
             self.emit({"kind": "step", "step": st.step, "time": round(st.time, 4), "loss": loss,
                        "lr": self.opt.param_groups[0]["lr"], **s.to_dict(), "iter_s": iter_s,
                        "tokens_per_s": s.gbs * self.seq_len / iter_s, "consumed_samples": st.consumed_samples,
-                       "grad_norm": grad_norm, "launch": self.launch})
+                       "grad_norm": grad_norm, "launch": self.launch, **noise})
             val_ppl = self.run_eval() if do_eval else None
             reason = self.stop_reason(val_ppl) or stop
         path = self.save({"stage_end": "switch", "command": "interrupt"}.get(reason, "final"))

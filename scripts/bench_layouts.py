@@ -1,0 +1,126 @@
+"""Benchmark: seconds per iteration of every feasible layout, start-up, DCP save/load, and overhead.
+
+Prints a table of s/iter and tokens/s for every feasible (dp, tp, pp, mbs) at two global batch
+sizes, torchrun start-up time (launch to first step), DCP save/load seconds and bytes, and the ratio
+of cona's (1,1,1) step time to a minimal plain-PyTorch loop of the same model and batch.
+Writes the measurements to scripts/data/layout_times_cpu.json (the cost model's calibration data).
+
+    python scripts/bench_layouts.py [--config configs/tiny.yaml] [--gbs 16,64] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from cona_cli.strategy import Strategy  # noqa: E402
+from cona_cli.train_cli import prepare_run_dir, resolve_config  # noqa: E402
+
+
+def measure_layouts(run_dir: Path, world: int, gbs: str, steps: int) -> dict:
+    out = run_dir / "bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(REPO / "scripts" / "bench_layouts_ranks.py"), str(run_dir), str(out), gbs, str(steps)]
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    return json.loads(out.read_text())
+
+
+def measure_startup(config: Path, world: int, gbs: int) -> float:
+    """Seconds from the controller's launch event to the end of the first step, minus that step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        cmd = [sys.executable, "-c", "from cona_cli.app import main; main()", "train", str(config),
+               "--strategy", f"dp{world}-tp1-pp1-mbs2-gbs{gbs}", "--max-steps", "2", "--run-dir", str(run)]
+        subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
+        launch = next(json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if '"launch"' in x)
+        first = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"step"' in x)
+        return first["time"] - first["iter_s"] - launch["time"]
+
+
+def plain_vs_cona(run_dir: Path, gbs: int, steps: int) -> tuple[float, float]:
+    """Median s/iter of a minimal plain loop and of cona's worker at (1,1,1), same model and batch."""
+    import torch.distributed as dist
+
+    from cona_cli.config import config_from_json
+    from launch.model import GPT, GPTArgs, loss_fn
+    from launch.worker import Worker
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    cfg = config_from_json((run_dir / "config.resolved.json").read_text(), "bench")
+    w = Worker(cfg, run_dir, Strategy(1, 1, 1, gbs, gbs), launch=1)
+    m, t = cfg.model, cfg.train
+    model = GPT(GPTArgs(m.n_layers, m.d_model, m.n_heads, m.kv_heads, m.ffn, m.seq_len, w.pm.model.args.vocab_size))
+    model.init_weights(t.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    x, y = w.train_stream.samples(0, gbs)
+
+    def plain_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+
+    plain, ours = [], []
+    for i in range(2 * steps + 4):  # interleaved, so host drift hits both alike
+        for fn, sink in ((plain_step, plain), (lambda: w.train_step(False), ours)):
+            t0 = time.perf_counter()
+            fn()
+            if i >= 2:
+                sink.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    return statistics.median(plain), statistics.median(ours)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=REPO / "configs" / "tiny.yaml")
+    ap.add_argument("--gbs", default="16,64")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=REPO / "scripts" / "data" / "layout_times_cpu.json")
+    args = ap.parse_args()
+    cfg = resolve_config(args.config, None, None, None)
+    world = cfg.cluster.world
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        prepare_run_dir(run_dir, args.config, cfg)
+        res = measure_layouts(run_dir, world, args.gbs, args.steps)
+        torch.set_num_threads(os.cpu_count() or 1)
+        plain_s, ours_s = plain_vs_cona(run_dir, int(args.gbs.split(",")[0]), args.steps * 2)
+    startup = measure_startup(args.config, world, int(args.gbs.split(",")[0]))
+
+    seq = cfg.model.seq_len
+    print(f"config {args.config.name}: world {world}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
+          f"seq {seq}; {args.steps} timed steps per layout (median), OMP_NUM_THREADS=1 per rank")
+    print(f"{'dp':>3} {'tp':>3} {'pp':>3} {'mbs':>4} {'gbs':>4} {'micro':>5} {'s/iter':>8} {'tokens/s':>9}")
+    for r in sorted(res["rows"], key=lambda r: (r["gbs"], r["iter_s"])):
+        s = Strategy(r["dp"], r["tp"], r["pp"], r["mbs"], r["gbs"])
+        print(f"{s.dp:>3} {s.tp:>3} {s.pp:>3} {s.mbs:>4} {s.gbs:>4} {s.n_microbatches:>5} {r['iter_s']:>8.3f} "
+              f"{s.gbs * seq / r['iter_s']:>9.0f}")
+    d = res["dcp"]
+    print(f"torchrun start-up (launch to first step): {startup:.1f} s")
+    print(f"DCP save {d['save_s']:.2f} s, load (resharded dp{world}->tp2) {d['load_s']:.2f} s, "
+          f"{d['bytes'] / 1e6:.1f} MB")
+    print(f"(1,1,1) step: cona {ours_s * 1e3:.1f} ms vs plain PyTorch loop {plain_s * 1e3:.1f} ms: "
+          f"ratio {ours_s / plain_s:.3f} (target <= 1.10)")
+    args.out.parent.mkdir(exist_ok=True)
+    rows = [{k: r[k] for k in ("dp", "tp", "pp", "mbs", "gbs", "iter_s")} for r in res["rows"]]
+    args.out.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {args.out} ({len(rows)} rows)")
+
+
+if __name__ == "__main__":
+    main()
