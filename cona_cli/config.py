@@ -136,6 +136,14 @@ class SearchConfig:
     seed: int = _f(0, _non_negative)
     n_initial: int = _f(6, _positive)
     ei_stop: float = _f(1e-4, _fraction)
+    # online controller (policy: cona)
+    margin: float = _f(0.05, _non_negative)  # Φ ratio must exceed 1 + margin
+    horizon_s: float = _f(120.0, _positive)  # a switch must pay back its cost within this time
+    switch_cost_s: float = _f(15.0, _non_negative)  # initial estimate, replaced by measured switches
+    decision_every: int = _f(5, _positive)  # steps between decisions
+    min_steps: int = _f(5, _positive)  # timed steps of a strategy before deciding
+    fallback: bool = _f(True)
+    fallback_patience: int = _f(20, _positive)  # steps of falling GNS that trigger a fallback
 
 
 @dataclass(frozen=True)
@@ -155,13 +163,14 @@ class Config:
     chain: tuple[ChainStage, ...] | None
     policy: str
     source: str
+    auto_strategy: bool = False  # `strategy: auto`: the planner's fastest strategy at search.gbs_static
 
     def to_raw(self) -> dict[str, Any]:
         """The resolved config as a plain document that `config_from_dict` accepts again."""
         raw: dict[str, Any] = {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
         raw["policy"] = self.policy
-        if self.strategy is not None:
-            raw["strategy"] = str(self.strategy)
+        if self.strategy is not None or self.auto_strategy:
+            raw["strategy"] = str(self.strategy) if self.strategy is not None else "auto"
         if self.chain is not None:
             raw["chain"] = [{**c.strategy.to_dict(), **({"steps": c.steps} if c.steps else {})}
                             for c in self.chain]
@@ -281,12 +290,15 @@ def config_from_dict(raw: Any, source: str = "<config>") -> Config:
     if "model" not in raw:
         raise ConfigError("model: required")
     sections = {name: _build_section(cls, raw.get(name), name) for name, cls in _SECTIONS.items()}
-    strategy = _parse_strategy(raw["strategy"], "strategy") if raw.get("strategy") is not None else None
+    auto = raw.get("strategy") == "auto"
+    strategy = _parse_strategy(raw["strategy"], "strategy") if raw.get("strategy") not in (None, "auto") else None
     chain = parse_chain(raw["chain"]) if raw.get("chain") is not None else None
     policy = raw.get("policy", "chain" if chain else "static" if strategy else "cona")
     if policy not in POLICIES:
         raise ConfigError(f"policy: must be one of {', '.join(POLICIES)}")
-    cfg = Config(**sections, strategy=strategy, chain=chain, policy=policy, source=source)
+    if auto and "policy" not in raw:
+        policy = "static"
+    cfg = Config(**sections, strategy=strategy, chain=chain, policy=policy, source=source, auto_strategy=auto)
     validate_strategies(cfg)
     return cfg
 
@@ -303,8 +315,8 @@ def validate_strategies(cfg: Config) -> None:
             raise ConfigError(f"chain[{i}] {stage.strategy}: {problems[0]}")
     if cfg.policy == "chain" and not cfg.chain:
         raise ConfigError("policy: chain needs a chain (in the YAML or --chain FILE)")
-    if cfg.policy == "static" and cfg.strategy is None:
-        raise ConfigError("policy: static needs a strategy (in the YAML or --strategy)")
+    if cfg.policy == "static" and cfg.strategy is None and not cfg.auto_strategy:
+        raise ConfigError("policy: static needs a strategy (in the YAML, `auto`, or --strategy)")
 
 
 def read_yaml(path: str | Path) -> Any:

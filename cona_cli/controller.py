@@ -72,6 +72,7 @@ class Controller:
         self.run_start = time.time()
         self.events = EventLog(run_dir / "events.jsonl", self.run_start)
         self.telemetry = TelemetryServer()
+        policy.events = self.events
         self.signal_received: int | None = None
         self.launch = 0
         self.last_metric: dict[str, Any] = {}
@@ -192,6 +193,7 @@ class Controller:
                 self.events.write("switch", step=prev[1]["step"], to=stage.strategy.to_dict(),
                                   reason=stage.reason, seconds=round(seconds, 4),
                                   **{"from": prev[0].strategy.to_dict()})
+                self.policy.observe_switch(seconds)
             self._show(progress, stage)
             return self.policy.on_metric(msg)
         return None

@@ -23,44 +23,53 @@ class Stage:
     reason: str  # why this stage starts: start, chain, decision, fallback
 
 
-class Policy(Protocol):
-    name: str
+class EventSink(Protocol):
+    def write(self, kind: str, **fields: Any) -> dict[str, Any]: ...
 
-    def first(self) -> Stage: ...
+
+class Policy:
+    """What every policy answers; by default: never switch on its own, ignore switch costs."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self.events: EventSink | None = None  # the controller's events.jsonl, for policies that log
+
+    def first(self) -> Stage:
+        raise NotImplementedError
 
     def on_metric(self, row: dict[str, Any]) -> Stage | None:
-        """A metric row arrived; return a stage to switch to now, or None to keep going."""
-        ...
+        """A step row arrived; return a stage to switch to now, or None to keep going."""
+        return None
+
+    def observe_switch(self, seconds: float) -> None:
+        """A switch just cost `seconds` (checkpoint, exit, relaunch, load)."""
 
     def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
         """A launch ended at a stage end or on request; return the next stage, or None when done."""
-        ...
+        return None
 
 
-class StaticPolicy:
+class StaticPolicy(Policy):
     """One strategy for the whole run."""
 
     name = "static"
 
     def __init__(self, strategy: Strategy) -> None:
+        super().__init__()
         self.strategy = strategy
 
     def first(self) -> Stage:
         return Stage(self.strategy, None, "start")
 
-    def on_metric(self, row: dict[str, Any]) -> Stage | None:
-        return None
 
-    def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
-        return None
-
-
-class ChainPolicy:
+class ChainPolicy(Policy):
     """Replay a given chain: stage i runs `steps` optimizer steps, then the next stage takes over."""
 
     name = "chain"
 
     def __init__(self, chain: tuple[ChainStage, ...]) -> None:
+        super().__init__()
         self.stages: list[Stage] = []
         end = 0
         for i, c in enumerate(chain):
@@ -71,9 +80,6 @@ class ChainPolicy:
 
     def first(self) -> Stage:
         return self.stages[0]
-
-    def on_metric(self, row: dict[str, Any]) -> Stage | None:
-        return None
 
     def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
         step = outcome["step"]

@@ -46,21 +46,37 @@ def resolve_config(config: Path, strategy: Optional[str], chain: Optional[Path],
             raise ConfigError("--max-steps: must be >= 1")
         overrides["train.max_steps"] = max_steps
     cfg = load_config(config, overrides)
-    first = cfg.strategy or (cfg.chain[0].strategy if cfg.chain else None)
-    if cfg.train.lr_base_gbs is None and first is not None:  # the LR was tuned for the first batch size
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr_base_gbs=first.gbs))
     if not any((cfg.train.max_steps, cfg.train.max_tokens, cfg.train.max_time, cfg.train.target_ppl)) and \
             not (cfg.chain and cfg.chain[-1].steps):
         raise ConfigError(f"{config}: train: needs a stop rule (max_steps, max_tokens, max_time or target_ppl)")
-    return config_from_dict(cfg.to_raw(), cfg.source)
+    return cfg
 
 
-def make_policy(cfg: Config) -> Policy:
+def make_policy(cfg: Config) -> tuple[Config, Policy]:
+    """The policy, and the config completed with what it decided (auto strategy, LR base batch)."""
     if cfg.policy == "chain":
-        return ChainPolicy(cfg.chain)
-    if cfg.policy == "static":
-        return StaticPolicy(cfg.strategy)
-    raise ConfigError(f"{cfg.source}: policy: {cfg.policy!r} is not available in this version (use static or chain)")
+        policy: Policy = ChainPolicy(cfg.chain)
+    elif cfg.policy == "static" and not cfg.auto_strategy:
+        policy = StaticPolicy(cfg.strategy)
+    else:
+        from cona_cli.costmodel import load_hardware  # the planner: numpy, scipy, skopt
+        from cona_cli.online import ConaPolicy, fastest_strategy
+
+        try:
+            hw = load_hardware(cfg.search.hardware)
+            if cfg.policy == "static":
+                best = fastest_strategy(cfg, hw)
+                cfg = dataclasses.replace(cfg, strategy=best, auto_strategy=False)
+                policy = StaticPolicy(best)
+            else:
+                policy = ConaPolicy(cfg, hw)
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(f"{cfg.source}: {e}") from None
+    if cfg.train.lr_base_gbs is None:  # the LR was tuned for the first batch size
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr_base_gbs=policy.first().strategy.gbs))
+    return config_from_dict(cfg.to_raw(), cfg.source), policy
 
 
 def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
@@ -90,8 +106,7 @@ def train_command(
     if strategy is not None and chain is not None:
         raise _fail("--strategy and --chain: give one of them")
     try:
-        cfg = resolve_config(config, strategy, chain, max_steps)
-        policy = make_policy(cfg)
+        cfg, policy = make_policy(resolve_config(config, strategy, chain, max_steps))
         run_dir = run_dir or Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         prepare_run_dir(run_dir, config, cfg)
     except ConfigError as e:
