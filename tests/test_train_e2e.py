@@ -80,3 +80,36 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path: Path) -> None:
     last_step = [r for r in _rows(metrics) if r["kind"] == "step"][-1]["step"]
     assert ckpt["reason"] == "interrupt" and ckpt["step"] == last_step
     assert (Path(ckpt["path"]) / "COMMITTED").is_file()
+
+
+def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
+    """policy cona: the controller climbs the batch ladder on its own and stops at the target."""
+    target = 7.0
+    doc = {k: v for k, v in TINY.items() if k != "strategy"}
+    doc["train"] = {**TINY["train"], "max_steps": 400, "target_ppl": target}
+    # Easy switching for a short test: no margin, a cheap assumed switch, a long payback horizon.
+    doc["search"] = {"gbs_min": 8, "gbs_max": 32, "mbs": [1, 2, 4, 8], "margin": 0.0, "switch_cost_s": 1.0,
+                     "horizon_s": 600, "decision_every": 4, "min_steps": 4}
+    cfg = write_config(tmp_path / "cona.yaml", doc)
+    run = tmp_path / "run"
+    proc = subprocess.run(_cona("train", str(cfg), "--run-dir", str(run)), capture_output=True, text=True,
+                          timeout=400, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = _rows(run / "events.jsonl")
+    assert events[0]["policy"] == "cona"
+    switches = [e for e in events if e["kind"] == "switch"]
+    assert switches and switches[0]["reason"] == "decision"
+    assert all(s["reason"] in ("decision", "fallback") for s in switches)
+    assert switches[0]["to"]["gbs"] > switches[0]["from"]["gbs"]
+    chosen = [e for e in events if e["kind"] == "decision" and e["switch"]]
+    assert chosen[0]["candidate"] == switches[0]["to"] and chosen[0]["ratio"] > chosen[0]["needed"]
+    assert "Φ ratio" in chosen[0]["why"] and chosen[0]["gns"] > 0
+    reached = next(e for e in events if e["kind"] == "target_reached")
+    assert reached["val_ppl"] <= target and reached["wall_time"] > 0
+    assert events[-1]["reason"] == "target_reached"
+    steps = [r for r in _rows(run / "metrics.jsonl") if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))
+    boundary = switches[0]["step"]
+    before = [r["loss"] for r in steps[boundary - 3:boundary]]
+    assert steps[boundary]["loss"] < max(before) + 0.25
+    assert all(r["gns"] is None or r["gns"] > 0 for r in steps[5:])
