@@ -25,9 +25,12 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def resolve_config(config: Path, strategy: Optional[str], chain: Optional[Path], max_steps: Optional[int]) -> Config:
+def resolve_config(config: Path, strategy: Optional[str], chain: Optional[Path], max_steps: Optional[int],
+                   data: Optional[Path] = None) -> Config:
     """The config with CLI overrides applied and validated as a whole."""
     overrides: dict = {}
+    if data is not None:
+        overrides["data.path"] = str(data)
     if strategy is not None:
         try:
             overrides["strategy"] = str(Strategy.parse(strategy))
@@ -100,13 +103,14 @@ def train_command(
     strategy: Optional[str] = typer.Option(None, "--strategy", help="Fixed strategy, e.g. dp2-tp1-pp2-mbs2-gbs16."),
     chain: Optional[Path] = typer.Option(None, "--chain", help="YAML chain file to replay."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Folder with train.txt and valid.txt (data.path)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the workers' output."),
 ) -> None:
     """Train under a fixed strategy or a chain of strategies, switching by checkpoint + relaunch."""
     if strategy is not None and chain is not None:
         raise _fail("--strategy and --chain: give one of them")
     try:
-        cfg, policy = make_policy(resolve_config(config, strategy, chain, max_steps))
+        cfg, policy = make_policy(resolve_config(config, strategy, chain, max_steps, data))
         run_dir = run_dir or Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         prepare_run_dir(run_dir, config, cfg)
     except ConfigError as e:
