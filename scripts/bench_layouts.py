@@ -98,6 +98,9 @@ def main() -> None:
         run_dir = Path(tmp) / "run"
         prepare_run_dir(run_dir, args.config, cfg)
         res = measure_layouts(run_dir, world, args.gbs, args.steps)
+        rows = [{k: r[k] for k in ("dp", "tp", "pp", "mbs", "gbs", "iter_s")} for r in res["rows"]]
+        args.out.parent.mkdir(exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1))
         torch.set_num_threads(os.cpu_count() or 1)
         plain_s, ours_s = plain_vs_cona(run_dir, int(args.gbs.split(",")[0]), args.steps * 2)
     startup = measure_startup(args.config, world, int(args.gbs.split(",")[0]))
@@ -116,9 +119,6 @@ def main() -> None:
           f"{d['bytes'] / 1e6:.1f} MB")
     print(f"(1,1,1) step: cona {ours_s * 1e3:.1f} ms vs plain PyTorch loop {plain_s * 1e3:.1f} ms: "
           f"ratio {ours_s / plain_s:.3f} (target <= 1.10)")
-    args.out.parent.mkdir(exist_ok=True)
-    rows = [{k: r[k] for k in ("dp", "tp", "pp", "mbs", "gbs", "iter_s")} for r in res["rows"]]
-    args.out.write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.out} ({len(rows)} rows)")
 
 

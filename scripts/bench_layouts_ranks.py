@@ -18,6 +18,8 @@ from cona_cli.config import config_from_json
 from cona_cli.strategy import Strategy
 from launch.worker import Worker
 
+MAX_MICROBATCHES = 16  # beyond this, tiny micro-batches only measure per-micro-batch overheads
+
 
 def layouts(world: int, cfg, gbs_values: list[int]) -> list[Strategy]:
     out = []
@@ -27,7 +29,7 @@ def layouts(world: int, cfg, gbs_values: list[int]) -> list[Strategy]:
                 dp = world // (pp * tp)
                 for mbs in (1, 2, 4, 8):
                     s = Strategy(dp, tp, pp, mbs, gbs)
-                    if not cfg.problems(s):
+                    if not cfg.problems(s) and s.n_microbatches <= MAX_MICROBATCHES:
                         out.append(s)
     return out
 

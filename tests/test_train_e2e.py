@@ -61,6 +61,18 @@ def test_three_stage_chain(tmp_path: Path) -> None:
     evals = [r for r in _rows(run / "metrics.jsonl") if r["kind"] == "eval"]
     assert evals[0]["step"] == 0 and evals[-1]["val_ppl"] < evals[0]["val_ppl"]
 
+    # `cona report` on this real run: its numbers are the metrics' and events' numbers.
+    target = evals[len(evals) // 2]["val_ppl"] * 1.001
+    first_hit = next(e for e in evals if e["val_ppl"] <= target)
+    rep = subprocess.run(_cona("report", str(run), "--target-ppl", str(target), "--format", "json"),
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert rep.returncode == 0, rep.stderr
+    report = json.loads(rep.stdout)["runs"][0]
+    assert report["targets"][0]["reached"] and report["targets"][0]["time_s"] == pytest.approx(first_hit["time"])
+    assert report["switch_overhead_s"] == pytest.approx(sum(s["seconds"] for s in switches))
+    assert [t["strategy"]["gbs"] for t in report["timeline"]] == [8, 16, 32]
+    assert [t["end_reason"] for t in report["timeline"]][:2] == ["chain", "chain"]
+
 
 def test_ctrl_c_checkpoints_and_exits_130(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "tiny.yaml", {**TINY, "train": {**TINY["train"], "max_steps": 100000}})
