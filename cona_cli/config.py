@@ -110,6 +110,10 @@ class TrainConfig:
     max_time: float | None = _f(None, _positive)
     target_ppl: float | None = _f(None, lambda v: None if v > 1 else "must be > 1")
     checkpoint_keep: int = _f(2, _positive)
+    checkpoint_interval: int | None = _f(None, _positive)  # steps between periodic checkpoints
+    checkpoint_interval_s: float | None = _f(None, _positive)  # seconds between periodic checkpoints
+    max_restarts: int = _f(3, _non_negative)  # relaunches after failures within restart_window_s
+    restart_window_s: float = _f(3600.0, _positive)
     gns: bool = _f(True)  # measure the gradient noise scale every step
     gns_window: float = _f(1024.0, _positive)  # samples over which the GNS smoothing forgets
     dp_impl: str = _f("ddp", _one_of("ddp", "fsdp"))

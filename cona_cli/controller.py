@@ -2,6 +2,11 @@
 
 Data flows one way: config -> controller -> torchrun -> workers -> telemetry -> controller, and the
 run directory is the record (events.jsonl written here, metrics.jsonl by worker rank 0).
+
+A launch that fails (a rank killed, out of memory, an exception) is relaunched under the same
+strategy from the newest usable checkpoint, up to `train.max_restarts` times within
+`train.restart_window_s`. The controller's own state goes to controller_state.json whenever it
+changes, so `cona train --resume RUN_DIR` continues after the controller was stopped or killed.
 """
 
 from __future__ import annotations
@@ -21,12 +26,21 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cona_cli import checkpoints
 from cona_cli.config import Config
+from cona_cli.failures import Failure, parse_failure
 from cona_cli.policy import Policy, Stage
+from cona_cli.runstate import RunState, stage_from_dict, stage_to_dict
+from cona_cli.strategy import Strategy
 from cona_cli.telemetry import TelemetryServer
 
 INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGTERM
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+Prev = tuple[Strategy, dict[str, Any]]  # strategy and outcome of the last launch that ended normally
+
+
+class NoUsableCheckpoint(RuntimeError):
+    """Checkpoints exist but none of them can be used; the message is one line."""
 
 
 @dataclass
@@ -42,14 +56,15 @@ class EventLog:
         self.path, self.run_start = path, run_start
 
     def write(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"kind": kind, "time": round(time.time() - self.run_start, 4), **fields}
+        now = time.time()
+        event = {"kind": kind, "time": round(now - self.run_start, 4), "wall_clock": round(now, 3), **fields}
         with open(self.path, "a") as f:
             f.write(json.dumps(event) + "\n")
         return event
 
 
 def torchrun_command(cfg: Config, run_dir: Path, stage: Stage, launch: int, resume: Path | None) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--tee", "3",
            f"--nproc-per-node={cfg.cluster.procs_per_node}", "-m", "launch.worker",
            "--run-dir", str(run_dir), "--strategy", str(stage.strategy), "--launch", str(launch)]
     if resume is not None:
@@ -59,24 +74,36 @@ def torchrun_command(cfg: Config, run_dir: Path, stage: Stage, launch: int, resu
     return cmd
 
 
+def expected_shapes(cfg: Config, run_dir: Path) -> checkpoints.Shapes:
+    """Model tensor shapes a checkpoint of this run must have (vocabulary from corpus.json)."""
+    vocab = json.loads((run_dir / "corpus.json").read_text())["vocab_size"]
+    m = cfg.model
+    return checkpoints.model_shapes(m.n_layers, m.d_model, m.n_heads, m.kv_heads, m.ffn, m.seq_len, vocab)
+
+
 def threads_per_proc(cfg: Config) -> int:
     return cfg.cluster.threads_per_proc or max(1, (os.cpu_count() or 1) // cfg.cluster.procs_per_node)
 
 
 class Controller:
     def __init__(self, cfg: Config, run_dir: Path, policy: Policy, console: Console | None = None,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, resume: RunState | None = None) -> None:
+        """`resume`: the saved state of an earlier controller of this run (`cona train --resume`)."""
         self.cfg, self.run_dir, self.policy = cfg, run_dir, policy
         self.console = console or Console(stderr=True)
         self.verbose = verbose
-        self.run_start = time.time()
+        self.resumed = resume is not None
+        self.state = resume or RunState()
+        self.run_start = time.time() - self.state.elapsed_s  # run time continues, the stopped gap excluded
         self.events = EventLog(run_dir / "events.jsonl", self.run_start)
         self.telemetry = TelemetryServer()
         policy.events = self.events
         self.signal_received: int | None = None
-        self.launch = 0
+        self.launch = self.state.launch
         self.last_metric: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
+        self._shapes: checkpoints.Shapes | None = None
+        self._dirty = False  # the last drain changed something worth saving
 
     # -- public ------------------------------------------------------------------------------
 
@@ -84,58 +111,134 @@ class Controller:
         """Run to completion; returns the process exit code."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        self.events.write("start", config=self.cfg.source, policy=self.policy.name, world=self.cfg.cluster.world)
-        stage: Stage | None = self.policy.first()
-        resume: Path | None = None
-        prev: tuple[Stage, dict[str, Any]] | None = None
         try:
             with self._progress() as progress:
-                while stage is not None:
-                    result, requested = self._run_launch(stage, resume, prev, progress)
-                    outcome = result.outcome
-                    if outcome is None or (result.returncode != 0 and self.signal_received is None):
-                        return self._failed(result)
-                    resume = Path(outcome["checkpoint"])
-                    reason = outcome["reason"]
-                    if self.signal_received is not None:
-                        self.events.write("interrupted", signal=signal.Signals(self.signal_received).name,
-                                          step=outcome["step"])
-                        return self._exit(EXIT_CODES[self.signal_received], "interrupted", outcome["step"])
-                    if reason not in ("stage_end", "command"):
-                        if reason == "target_reached":
-                            self.events.write("target_reached", step=outcome["step"],
-                                              val_ppl=outcome["best_val_ppl"], target_ppl=self.cfg.train.target_ppl,
-                                              wall_time=outcome["time"])
-                        return self._exit(0, reason, outcome["step"])
-                    prev = (stage, outcome)
-                    stage = self.policy.after_launch(outcome, requested)
-                return self._exit(0, "done", prev[1]["step"] if prev else 0)
+                return self._run(progress)
+        except NoUsableCheckpoint as e:
+            self.console.print(f"[red]cona: {e}[/red]")
+            return self._exit(1, "failed", self.last_metric.get("step", 0))
         finally:
             self.telemetry.close()
 
+    def _run(self, progress: Progress) -> int:
+        ckpt: Path | None = None
+        stage: Stage | None
+        launch_reason: str | None = None
+        prev: Prev | None = None
+        if self.state.prev is not None:
+            prev = (Strategy.parse(self.state.prev["strategy"]), self.state.prev["outcome"])
+        if self.resumed:
+            ckpt = self.newest_checkpoint()
+            step = checkpoints.checkpoint_step(ckpt) if ckpt else 0
+            self.events.write("resume", step=step, checkpoint=str(ckpt) if ckpt else None, launch=self.launch)
+            running = stage_from_dict(self.state.stage) or self.policy.first()
+            stage, launch_reason = self.policy.restart(step, running), "resume"
+        else:
+            self.events.write("start", config=self.cfg.source, policy=self.policy.name, world=self.cfg.cluster.world)
+            stage = self.policy.first()
+        while stage is not None:
+            if self.signal_received is not None:
+                return self._interrupted(None)
+            self._save_state(stage, prev)
+            result, requested = self._run_launch(stage, ckpt, prev, progress, launch_reason)
+            outcome = result.outcome
+            if self.signal_received is not None:
+                return self._interrupted(outcome)
+            if result.returncode != 0 or outcome is None:
+                if not self._may_restart(result, ckpt):
+                    return self._exit(1, "failed", self.last_metric.get("step", 0))
+                if self.last_metric.get("launch") == self.launch:
+                    prev = None  # the switch into this strategy is already recorded
+                ckpt = self.newest_checkpoint()
+                stage = self.policy.restart(checkpoints.checkpoint_step(ckpt) if ckpt else 0, stage)
+                launch_reason = "restart"
+                continue
+            ckpt, launch_reason = Path(outcome["checkpoint"]), None
+            reason = outcome["reason"]
+            if reason not in ("stage_end", "command"):
+                if reason == "target_reached":
+                    self.events.write("target_reached", step=outcome["step"],
+                                      val_ppl=outcome["best_val_ppl"], target_ppl=self.cfg.train.target_ppl,
+                                      wall_time=outcome["time"])
+                return self._exit(0, reason, outcome["step"])
+            prev = (stage.strategy, outcome)
+            stage = self.policy.after_launch(outcome, requested)
+        self._save_state(None, prev)
+        return self._exit(0, "done", prev[1]["step"] if prev else 0)
+
+    # -- recovery ----------------------------------------------------------------------------
+
+    def newest_checkpoint(self) -> Path | None:
+        """The newest usable checkpoint (unusable ones are quarantined with a warning); None if none
+        was ever committed. Raises NoUsableCheckpoint if there are some but none is usable."""
+        if self._shapes is None:
+            self._shapes = expected_shapes(self.cfg, self.run_dir)
+        root = self.run_dir / "checkpoints"
+        path, skipped = checkpoints.newest_usable(root, self._shapes, self._warn)
+        if path is None and skipped:
+            raise NoUsableCheckpoint(f"no usable checkpoint in {root} ({skipped} unusable, moved to bad-*)")
+        return path
+
+    def _warn(self, message: str) -> None:
+        self.events.write("warning", message=message)
+        self.console.print(f"[yellow]cona: {message}[/yellow]")
+
+    def _may_restart(self, result: LaunchResult, ckpt: Path | None) -> bool:
+        """Record a failed launch; whether the restart budget allows another launch."""
+        log_path = self.run_dir / "logs" / f"launch_{self.launch:03d}.log"
+        text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+        failure = parse_failure(text, result.returncode)
+        self.events.write("failure", launch=self.launch, exit_code=result.returncode, rank=failure.rank,
+                          rank_exit_code=failure.rank_exit_code, exit_codes=failure.exit_codes,
+                          bad_checkpoint=failure.bad_checkpoint, last_lines=failure.last_lines)
+        self.console.print("\n".join(failure.last_lines), markup=False, highlight=False)
+        self.console.print(f"[red]cona: launch {self.launch} failed: {failure.describe()}; see {log_path}[/red]")
+        if failure.bad_checkpoint and ckpt is not None and ckpt.is_dir():
+            moved = checkpoints.quarantine(ckpt)
+            self._warn(f"checkpoint {ckpt} could not be loaded; skipped (moved to {moved.name})")
+        now = time.time() - self.run_start
+        t = self.cfg.train
+        self.state.failures = [f for f in self.state.failures if now - f <= t.restart_window_s] + [now]
+        if len(self.state.failures) > t.max_restarts:
+            self.console.print(f"[red]cona: giving up: {len(self.state.failures)} failed launches within "
+                               f"{t.restart_window_s:g} s (train.max_restarts = {t.max_restarts})[/red]")
+            return False
+        return True
+
+    def _save_state(self, stage: Stage | None, prev: Prev | None) -> None:
+        st = self.state
+        st.stage, st.launch, st.elapsed_s = stage_to_dict(stage), self.launch, time.time() - self.run_start
+        st.prev = {"strategy": str(prev[0]), "outcome": prev[1]} if prev else None
+        st.policy = self.policy.state_dict()
+        st.save(self.run_dir)
+
     # -- one launch --------------------------------------------------------------------------
 
-    def _run_launch(self, stage: Stage, resume: Path | None, prev: tuple[Stage, dict[str, Any]] | None,
-                    progress: Progress) -> tuple[LaunchResult, Stage | None]:
+    def _run_launch(self, stage: Stage, resume: Path | None, prev: Prev | None, progress: Progress,
+                    reason: str | None) -> tuple[LaunchResult, Stage | None]:
         self.launch += 1
         cmd = torchrun_command(self.cfg, self.run_dir, stage, self.launch, resume)
+        step = checkpoints.checkpoint_step(resume) if resume else 0
         self.events.write("launch", launch=self.launch, strategy=stage.strategy.to_dict(),
-                          from_checkpoint=str(resume) if resume else None,
-                          step=prev[1]["step"] if prev else 0, reason=stage.reason)
+                          from_checkpoint=str(resume) if resume else None, step=step, reason=reason or stage.reason)
         env = {**os.environ, **self.telemetry.env(), "CONA_RUN_START": repr(self.run_start),
                "OMP_NUM_THREADS": str(threads_per_proc(self.cfg)), "PYTHONUNBUFFERED": "1"}
         log_path = self.run_dir / "logs" / f"launch_{self.launch:03d}.log"
         log_path.parent.mkdir(exist_ok=True)
+        outcome_path = self.run_dir / "launches" / f"{self.launch:03d}.json"
+        outcome_path.unlink(missing_ok=True)  # a leftover of a launch the controller never saw
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True, text=True, bufsize=1)
+            self.state.torchrun_pid = proc.pid
+            self._save_state(stage, prev)
             pump = threading.Thread(target=self._pump, args=(proc.stdout, log), daemon=True)
             pump.start()
             requested = self._follow(proc, stage, prev, progress)
             pump.join(timeout=5)
-        outcome_path = self.run_dir / "launches" / f"{self.launch:03d}.json"
         outcome = json.loads(outcome_path.read_text()) if outcome_path.is_file() else None
         self._drain(stage, prev, progress)
+        self._save_state(stage, prev)
         return LaunchResult(proc.returncode, outcome), requested
 
     def _pump(self, stream: TextIO, log: TextIO) -> None:
@@ -145,13 +248,14 @@ class Controller:
             if self.verbose:
                 self.console.print(line.rstrip(), markup=False, highlight=False)
 
-    def _follow(self, proc: subprocess.Popen, stage: Stage, prev: tuple[Stage, dict[str, Any]] | None,
-                progress: Progress) -> Stage | None:
+    def _follow(self, proc: subprocess.Popen, stage: Stage, prev: Prev | None, progress: Progress) -> Stage | None:
         """Wait for the launch to end, handling telemetry, switch requests and signals."""
         requested: Stage | None = None
         stop_sent_at: float | None = None
         while proc.poll() is None:
             switch_to = self._drain(stage, prev, progress, wait=0.2)
+            if self._dirty:
+                self._save_state(stage, prev)
             if switch_to is not None and requested is None:
                 requested = switch_to
             wants_stop = requested is not None or self.signal_received is not None
@@ -163,10 +267,10 @@ class Controller:
                 os.killpg(proc.pid, signal.SIGKILL)
         return requested
 
-    def _drain(self, stage: Stage, prev: tuple[Stage, dict[str, Any]] | None, progress: Progress,
-               wait: float = 0.0) -> Stage | None:
+    def _drain(self, stage: Stage, prev: Prev | None, progress: Progress, wait: float = 0.0) -> Stage | None:
         """Handle queued telemetry messages; returns a stage the policy wants to switch to."""
         switch_to = None
+        self._dirty = False
         try:
             msg = self.telemetry.messages.get(timeout=wait) if wait else self.telemetry.messages.get_nowait()
         except queue.Empty:
@@ -178,8 +282,7 @@ class Controller:
             except queue.Empty:
                 return switch_to
 
-    def _handle(self, msg: dict[str, Any], stage: Stage, prev: tuple[Stage, dict[str, Any]] | None,
-                progress: Progress) -> Stage | None:
+    def _handle(self, msg: dict[str, Any], stage: Stage, prev: Prev | None, progress: Progress) -> Stage | None:
         kind = msg.get("type")
         if kind == "checkpoint":
             self.events.write("checkpoint", **{k: msg.get(k) for k in ("step", "path", "seconds", "bytes", "reason")})
@@ -187,12 +290,12 @@ class Controller:
             self.last_eval = msg
         elif kind == "metric" and msg.get("kind") == "step":
             first_of_launch = self.last_metric.get("launch") != msg.get("launch")
-            self.last_metric = msg
-            if first_of_launch and prev is not None and prev[0].strategy != stage.strategy:
+            self.last_metric, self._dirty = msg, True
+            if first_of_launch and prev is not None and prev[0] != stage.strategy:
                 seconds = msg["time"] - msg["iter_s"] - prev[1]["time"]
                 self.events.write("switch", step=prev[1]["step"], to=stage.strategy.to_dict(),
                                   reason=stage.reason, seconds=round(seconds, 4),
-                                  **{"from": prev[0].strategy.to_dict()})
+                                  **{"from": prev[0].to_dict()})
                 self.policy.observe_switch(seconds)
             self._show(progress, stage)
             return self.policy.on_metric(msg)
@@ -200,14 +303,12 @@ class Controller:
 
     # -- endings and display -----------------------------------------------------------------
 
-    def _failed(self, result: LaunchResult) -> int:
-        log_path = self.run_dir / "logs" / f"launch_{self.launch:03d}.log"
-        tail = log_path.read_text().splitlines()[-15:] if log_path.is_file() else []
-        self.events.write("failure", launch=self.launch, exit_code=result.returncode, last_lines=tail)
-        self.console.print("\n".join(tail), markup=False, highlight=False)
-        self.console.print(f"[red]cona: launch {self.launch} failed with exit code {result.returncode}; "
-                           f"see {log_path}[/red]")
-        return self._exit(1, "failed", self.last_metric.get("step", 0))
+    def _interrupted(self, outcome: dict[str, Any] | None) -> int:
+        """A signal stopped the run (the workers checkpointed unless they were gone already)."""
+        assert self.signal_received is not None
+        step = outcome["step"] if outcome else self.last_metric.get("step", 0)
+        self.events.write("interrupted", signal=signal.Signals(self.signal_received).name, step=step)
+        return self._exit(EXIT_CODES[self.signal_received], "interrupted", step)
 
     def _exit(self, code: int, reason: str, step: int) -> int:
         self.events.write("exit", code=code, reason=reason, step=step)

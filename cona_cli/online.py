@@ -188,6 +188,26 @@ class ConaPolicy(Policy):
         self._searched_for = None  # a new frontier: search again once the new strategy is measured
         return requested
 
+    def state_dict(self) -> dict[str, Any]:
+        """Ladder position, calibration samples, switch costs and fallback state (for --resume)."""
+        fb = self.fallback
+        return {"current": str(self.current.strategy), "reason": self.current.reason,
+                "samples": {str(k): v for k, v in self.samples.items()}, "switch_costs": self.switch_costs,
+                "previous": [str(p) for p in self.previous], "blocked_until_step": self.blocked_until_step,
+                "fallback": {"armed": fb.armed, "falling": fb.falling, "last": fb.last}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.current = Stage(Strategy.parse(state["current"]), None, state["reason"])
+        self.samples = {Strategy.parse(k): list(v) for k, v in state["samples"].items()}
+        self.switch_costs = list(state["switch_costs"])
+        self.previous = [Strategy.parse(p) for p in state["previous"]]
+        self.blocked_until_step = int(state["blocked_until_step"])
+        fb = state["fallback"]
+        self.fallback.armed, self.fallback.falling, self.fallback.last = fb["armed"], fb["falling"], fb["last"]
+        self._searched_for = None
+
     def _log(self, row: dict[str, Any], cand: Any, why: str, switch: bool, **extra: Any) -> None:
         if self.events is None:
             return

@@ -2,7 +2,8 @@
 
 A policy sees every metric row the workers stream and the outcome of every launch. The controller
 asks it for the first stage, may be told mid-launch to switch (it then has the workers checkpoint
-and exit), and asks for the next stage whenever a launch ends.
+and exit), and asks for the next stage whenever a launch ends. After a failure or a `--resume` it
+asks which stage continues from the restored step, and it saves and restores the policy's state.
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ class Policy:
         """A launch ended at a stage end or on request; return the next stage, or None when done."""
         return None
 
+    def restart(self, step: int, stage: Stage) -> Stage | None:
+        """The stage that continues from a checkpoint at `step`, after `stage` failed or was stopped."""
+        return stage
+
+    def state_dict(self) -> dict[str, Any]:
+        """What `load_state_dict` needs to continue the run in a new controller (JSON-serialisable)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()` of an earlier controller of the same run."""
+
 
 class StaticPolicy(Policy):
     """One strategy for the whole run."""
@@ -78,12 +90,27 @@ class ChainPolicy(Policy):
             if end is None:
                 break
 
+        self.position = 0  # index of the running stage
+
     def first(self) -> Stage:
-        return self.stages[0]
+        return self.stages[self.position]
 
     def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
-        step = outcome["step"]
-        for stage in self.stages:
+        return self._stage_at(outcome["step"])
+
+    def restart(self, step: int, stage: Stage) -> Stage | None:
+        return self._stage_at(step)
+
+    def _stage_at(self, step: int) -> Stage | None:
+        """The stage that runs step `step + 1`; None when the chain is over."""
+        for i, stage in enumerate(self.stages):
             if stage.stop_step is None or stage.stop_step > step:
+                self.position = i
                 return stage
         return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state.get("position", 0))

@@ -15,6 +15,7 @@ from rich.console import Console
 from cona_cli.config import Config, ConfigError, config_from_dict, load_config, parse_chain, read_yaml
 from cona_cli.controller import Controller
 from cona_cli.policy import ChainPolicy, Policy, StaticPolicy
+from cona_cli.runstate import lock
 from cona_cli.strategy import Strategy, StrategyError
 
 err = Console(stderr=True, soft_wrap=True)
@@ -84,7 +85,7 @@ def make_policy(cfg: Config) -> tuple[Config, Policy]:
 
 def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
     if (run_dir / "events.jsonl").exists():
-        raise ConfigError(f"--run-dir: {run_dir} already holds a run; choose a new folder")
+        raise ConfigError(f"--run-dir: {run_dir} already holds a run; choose a new folder or --resume it")
     from launch.data import DataError, prepare_corpus  # imports torch: only once the config is valid
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -98,22 +99,36 @@ def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
 
 
 def train_command(
-    config: Path = typer.Argument(..., help="YAML config (model, data, cluster, train, strategy/chain)."),
+    config: Optional[Path] = typer.Argument(None, help="YAML config (model, data, cluster, train, strategy/chain)."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run folder (default runs/<config>-<time>)."),
     strategy: Optional[str] = typer.Option(None, "--strategy", help="Fixed strategy, e.g. dp2-tp1-pp2-mbs2-gbs16."),
     chain: Optional[Path] = typer.Option(None, "--chain", help="YAML chain file to replay."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps."),
     data: Optional[Path] = typer.Option(None, "--data", help="Folder with train.txt and valid.txt (data.path)."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue this run folder from its newest "
+                                          "checkpoint, with its own config (CONFIG and flags must agree)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the workers' output."),
 ) -> None:
     """Train under a fixed strategy or a chain of strategies, switching by checkpoint + relaunch."""
     if strategy is not None and chain is not None:
         raise _fail("--strategy and --chain: give one of them")
+    state = None
     try:
-        cfg, policy = make_policy(resolve_config(config, strategy, chain, max_steps, data))
-        run_dir = run_dir or Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        prepare_run_dir(run_dir, config, cfg)
+        if resume is not None:
+            from cona_cli.resume import prepare_resume
+
+            if run_dir is not None and run_dir.resolve() != resume.resolve():
+                raise ConfigError(f"--run-dir {run_dir} and --resume {resume}: name one run folder")
+            run_dir = resume
+            cfg, policy, state = prepare_resume(resume, config, strategy, chain, max_steps, data)
+        elif config is None:
+            raise ConfigError("CONFIG: missing (give a YAML config, or --resume RUN_DIR)")
+        else:
+            cfg, policy = make_policy(resolve_config(config, strategy, chain, max_steps, data))
+            run_dir = run_dir or Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+            prepare_run_dir(run_dir, config, cfg)
+            lock(run_dir)
     except ConfigError as e:
         raise _fail(str(e)) from None
-    code = Controller(cfg, run_dir, policy, console=err, verbose=verbose).run()
+    code = Controller(cfg, run_dir, policy, console=err, verbose=verbose, resume=state).run()
     raise typer.Exit(code)

@@ -4,30 +4,29 @@ Layout: `ROOT/step_000120/` holds the DCP shards, `trainer.json` (step, consumed
 schedule and statistics state) and a `COMMITTED` marker written last. Saving goes to
 `ROOT/.tmp-step_000120/` first and is renamed once every rank has finished, so a crash mid-save
 never leaves a folder that looks complete. Loading ignores folders without the marker, and reshards
-to whatever layout is running: parameter names are the same under every (dp, tp, pp).
+to whatever layout is running: parameter names are the same under every (dp, tp, pp). Pruning
+runs only after a newer checkpoint is committed, so the newest committed one is never deleted first.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-log = logging.getLogger(__name__)
+from cona_cli.checkpoints import MARKER, TRAINER_STATE, committed, read_trainer_state, step_dir
 
-MARKER = "COMMITTED"
-TRAINER_STATE = "trainer.json"
 # Flattened optimizer state: the default nests param_groups in one pickled entry that DCP keeps from
 # a single rank, which breaks Adam under pipeline parallelism (KeyError: 'betas').
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -35,18 +34,6 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that does not fit the model."""
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:06d}"
-
-
-def committed(root: Path) -> list[Path]:
-    """Committed checkpoints, newest first."""
-    if not root.is_dir():
-        return []
-    dirs = [d for d in root.iterdir() if d.name.startswith("step_") and (d / MARKER).is_file()]
-    return sorted(dirs, key=lambda d: d.name, reverse=True)
 
 
 def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -59,8 +46,11 @@ def _dir_bytes(path: Path) -> int:
 
 
 def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         trainer_state: dict[str, Any], keep: int) -> tuple[Path, float, int]:
-    """Collective: every rank calls it. Returns (committed path, seconds, bytes) on every rank."""
+         trainer_state: dict[str, Any], keep: int,
+         before_commit: Callable[[], None] | None = None) -> tuple[Path, float, int]:
+    """Collective: every rank calls it. Returns (committed path, seconds, bytes) on every rank.
+
+    `before_commit` runs on every rank once its shards are written (a test hook: die or linger there)."""
     t0 = time.perf_counter()
     final = step_dir(root, step)
     tmp = root / f".tmp-{final.name}"
@@ -69,10 +59,12 @@ def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.O
         tmp.mkdir(parents=True)
     dist.barrier()
     dcp.save(_states(model, optimizer), checkpoint_id=str(tmp))
+    if before_commit is not None:
+        before_commit()
     dist.barrier()
     if dist.get_rank() == 0:
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
-        if final.exists():  # an older attempt at the same step: replace it
+        if final.exists():  # an unusable attempt at the same step (a usable one is never re-saved)
             shutil.rmtree(final)
         os.replace(tmp, final)
         with open(final / MARKER, "w") as f:
@@ -92,23 +84,22 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / TRAINER_STATE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable {TRAINER_STATE} ({e})") from None
-
-
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective: load a committed checkpoint into the local (resharded) model and optimizer."""
     if not (path / MARKER).is_file():
         raise CheckpointError(f"{path}: not a committed checkpoint (no {MARKER} marker)")
-    trainer_state = read_trainer_state(path)
+    try:
+        trainer_state = read_trainer_state(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     states = _states(model, optimizer)
     try:
         dcp.load(states, checkpoint_id=str(path))
-    except Exception as e:  # DCP raises several types for missing/truncated/mismatched shards
+    except (Exception, CheckpointException) as e:  # several types for missing/truncated/garbled shards
         raise CheckpointError(f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    set_model_state_dict(model, states["model"])
-    set_optimizer_state_dict(model, optimizer, states["optim"], options=_OPTIONS)
+    try:
+        set_model_state_dict(model, states["model"])
+        set_optimizer_state_dict(model, optimizer, states["optim"], options=_OPTIONS)
+    except Exception as e:
+        raise CheckpointError(f"{path}: does not fit the model ({type(e).__name__}: {str(e)[:200]})") from None
     return trainer_state

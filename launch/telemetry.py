@@ -28,6 +28,11 @@ class TelemetryClient:
             return
         self.send({"type": "hello", "token": token})
 
+    @property
+    def connected(self) -> bool:
+        """False before connecting, without a controller, or once the connection broke."""
+        return self._sock is not None
+
     def send(self, message: dict[str, Any]) -> None:
         if self._sock is None:
             return

@@ -3,6 +3,9 @@
 `python -m launch.worker --run-dir RUN --strategy dp2-tp1-pp2-mbs2-gbs16 --launch 2 [--resume CKPT]
 [--stop-step N]`. Trains from the checkpoint (or from scratch) until a stop rule, the stage end or a
 controller command, saves a checkpoint and writes `RUN/launches/NNN.json` saying why it stopped.
+Also checkpoints every `train.checkpoint_interval` steps / `checkpoint_interval_s` seconds, and
+checkpoints and exits if the controller goes away (its telemetry connection closes). A checkpoint
+that cannot be loaded ends the rank with exit code `BAD_CHECKPOINT_EXIT`.
 """
 
 from __future__ import annotations
@@ -12,17 +15,19 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from cona_cli.checkpoints import BAD_CHECKPOINT_EXIT
 from cona_cli.config import Config, config_from_json
 from cona_cli.strategy import Strategy
-from launch import checkpoint
+from launch import checkpoint, testhooks
 from launch.data import CorpusInfo, TokenStream, eval_batches, replica_microbatches
 from cona_cli.gns import NoiseScale, two_batch_estimate
 from launch.gradstats import SmallBatchNorms, local_grad_sq, scale_grads
@@ -46,6 +51,15 @@ class TrainerState:
     last_eval_time: float = 0.0
     best_val_ppl: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StepOut(NamedTuple):
+    loss: float
+    grad_norm: float
+    stop: str | None  # rank 0's stop decision: "command", "max_time" or None
+    eval: bool  # rank 0 wants an evaluation after this step
+    checkpoint: bool  # rank 0 wants a time-based periodic checkpoint after this step
+    noise: dict[str, float]
 
 
 class Worker:
@@ -76,7 +90,10 @@ class Worker:
         self.noise = NoiseScale(window=t.gns_window)
         self.ckpt_root = run_dir / "checkpoints"
         self.telemetry = TelemetryClient() if self.rank == 0 else None
+        self.had_controller = self.telemetry is not None and self.telemetry.connected
         self.stop_requested = False
+        self.saved: tuple[int, Path] | None = None  # (step, path) of the checkpoint this state is in
+        self.last_save_time = self.now()
         self.metrics = open(run_dir / "metrics.jsonl", "a") if self.rank == 0 else None
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -88,6 +105,7 @@ class Worker:
         """Rank 0: append a metrics row and stream it to the controller."""
         if self.metrics is None:
             return
+        row = {**row, "wall_clock": round(time.time(), 3)}
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
         if self.telemetry is not None:
@@ -96,14 +114,25 @@ class Worker:
     def restore(self, path: Path) -> None:
         saved = checkpoint.load(path, self.pm.model, self.opt)
         self.state = TrainerState(**saved["trainer"])
+        self.saved = (self.state.step, path)
         if "gns" in self.state.extra:
             self.noise = NoiseScale(**{**self.state.extra["gns"], "window": self.cfg.train.gns_window})
 
     def save(self, reason: str) -> Path:
+        """Checkpoint the current state (collective); a state already saved is not saved again."""
+        step = self.state.step
+        if self.saved is not None and self.saved[0] == step:
+            return self.saved[1]
         self.state.extra["gns"] = self.noise.state_dict()
         trainer = {"trainer": self.state.__dict__, "strategy": self.strategy.to_dict(), "launch": self.launch}
-        path, seconds, nbytes = checkpoint.save(self.ckpt_root, self.state.step, self.pm.model, self.opt,
-                                                trainer, self.cfg.train.checkpoint_keep)
+
+        def before_commit() -> None:
+            testhooks.save_delay()
+            testhooks.maybe_die(self.run_dir, "save", step, self.rank)
+
+        path, seconds, nbytes = checkpoint.save(self.ckpt_root, step, self.pm.model, self.opt, trainer,
+                                                self.cfg.train.checkpoint_keep, before_commit)
+        self.saved, self.last_save_time = (step, path), self.now()
         if self.telemetry is not None:
             self.telemetry.send({"type": "checkpoint", "step": self.state.step, "path": str(path),
                                  "seconds": round(seconds, 4), "bytes": nbytes, "reason": reason})
@@ -123,7 +152,11 @@ class Worker:
     def time_is_up(self) -> bool:
         return self.cfg.train.max_time is not None and self.now() >= self.cfg.train.max_time
 
-    def train_step(self, want_eval: bool) -> tuple[float, float, str | None, bool, dict[str, float]]:
+    def checkpoint_due_by_time(self) -> bool:
+        interval = self.cfg.train.checkpoint_interval_s
+        return interval is not None and self.now() - self.last_save_time >= interval
+
+    def train_step(self, want_eval: bool) -> StepOut:
         s, st, t = self.strategy, self.state, self.cfg.train
         lr = learning_rate(t, st.consumed_samples * self.seq_len, s.gbs, self.noise.gns)
         for group in self.opt.param_groups:
@@ -134,16 +167,18 @@ class Worker:
         if self.small is not None:
             self.small.begin_step()
         loss_sum = self.pm.forward_backward(micro)
+        testhooks.maybe_die(self.run_dir, "step", st.step + 1, self.rank)
         if self.small is not None:
             self.small.before_dp_reduce()
         self.pm.average_grads()
-        # Rank 0 decides time- and command-driven stops and evaluations for everyone.
+        # Rank 0 decides time- and command-driven stops, evaluations and checkpoints for everyone.
         stop = 0.0
         if self.rank == 0:
             stop = _STOP_COMMAND if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
-        loss_total, grad_sq, small_sq, stop_code, eval_votes = self._reduce(
+        loss_total, grad_sq, small_sq, stop_code, eval_votes, ckpt_votes = self._reduce(
             [loss_sum if self._counts_loss() else 0.0, local_grad_sq(self.pm),
-             self.small.local_share() if self.small is not None else 0.0, stop, float(self.rank == 0 and want_eval)])
+             self.small.local_share() if self.small is not None else 0.0, stop, float(self.rank == 0 and want_eval),
+             float(self.rank == 0 and self.checkpoint_due_by_time())])
         noise = self._update_noise(small_sq, grad_sq)
         grad_norm = math.sqrt(grad_sq)
         if t.grad_clip and grad_norm > t.grad_clip:
@@ -152,7 +187,8 @@ class Worker:
         st.step += 1
         st.consumed_samples += s.gbs
         stop_reason = {_STOP_COMMAND: "command", _STOP_TIME: "max_time"}.get(stop_code)
-        return loss_total / (s.dp * s.n_microbatches), grad_norm, stop_reason, eval_votes > 0, noise
+        return StepOut(loss_total / (s.dp * s.n_microbatches), grad_norm, stop_reason, eval_votes > 0,
+                       ckpt_votes > 0, noise)
 
     def _update_noise(self, small_total: float, big_sq: float) -> dict[str, float]:
         """Feed one step's norms to the GNS estimator; returns the metric fields."""
@@ -209,11 +245,18 @@ class Worker:
         return by_steps or by_time
 
     def poll_commands(self) -> None:
-        if self.telemetry is None:
+        """Rank 0: a stop command, or a controller that went away (killed), stops the job after this step."""
+        if not self.had_controller:
             return
         for msg in self.telemetry.poll():
             if msg.get("cmd") == "checkpoint_and_exit":
                 self.stop_requested = True
+        if not self.telemetry.connected:
+            self.stop_requested = True
+
+    def checkpoint_due(self, out: StepOut) -> bool:
+        interval = self.cfg.train.checkpoint_interval
+        return out.checkpoint or (interval is not None and self.state.step % interval == 0)
 
     def train(self, stop_step: int | None, fresh: bool) -> dict[str, Any]:
         t, st, s = self.cfg.train, self.state, self.strategy
@@ -221,22 +264,24 @@ class Worker:
             self.telemetry.send({"type": "ready", "launch": self.launch, "step": st.step, "time": self.now()})
         if fresh and (t.eval_interval or t.eval_interval_s):
             self.run_eval()
-        reason = None
+        reason = self.stop_reason(st.best_val_ppl)  # a resumed run may already be done
         while reason is None:
             if stop_step is not None and st.step >= stop_step:
                 reason = "stage_end"
                 break
             self.poll_commands()
             t0 = time.perf_counter()
-            loss, grad_norm, stop, do_eval, noise = self.train_step(self.eval_due())
+            out = self.train_step(self.eval_due())
             iter_s = time.perf_counter() - t0
             st.time = self.now()
-            self.emit({"kind": "step", "step": st.step, "time": round(st.time, 4), "loss": loss,
+            self.emit({"kind": "step", "step": st.step, "time": round(st.time, 4), "loss": out.loss,
                        "lr": self.opt.param_groups[0]["lr"], **s.to_dict(), "iter_s": iter_s,
                        "tokens_per_s": s.gbs * self.seq_len / iter_s, "consumed_samples": st.consumed_samples,
-                       "grad_norm": grad_norm, "launch": self.launch, **noise})
-            val_ppl = self.run_eval() if do_eval else None
-            reason = self.stop_reason(val_ppl) or stop
+                       "grad_norm": out.grad_norm, "launch": self.launch, **out.noise})
+            val_ppl = self.run_eval() if out.eval else None
+            reason = self.stop_reason(val_ppl) or out.stop
+            if reason is None and self.checkpoint_due(out):
+                self.save("periodic")
         path = self.save({"stage_end": "switch", "command": "interrupt"}.get(reason, "final"))
         return {"reason": reason, "step": st.step, "consumed_samples": st.consumed_samples,
                 "time": st.time, "checkpoint": str(path), "best_val_ppl": st.best_val_ppl}
@@ -258,7 +303,11 @@ def main() -> None:
     # SIGTERM from torchrun or the controller: finish the step, checkpoint, exit.
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop_requested", True))
     if args.resume is not None:
-        worker.restore(args.resume)
+        try:
+            worker.restore(args.resume)
+        except checkpoint.CheckpointError as e:
+            print(f"cona-worker rank {worker.rank}: bad checkpoint: {e}", file=sys.stderr, flush=True)
+            sys.exit(BAD_CHECKPOINT_EXIT)
     result = worker.train(args.stop_step, fresh=args.resume is None)
     if worker.rank == 0:
         out = args.run_dir / "launches" / f"{args.launch:03d}.json"

@@ -1,0 +1,39 @@
+"""Fault injection for tests and scripts/chaos.py, off unless the environment asks for it.
+
+`CONA_TEST_DIE_AT_STEP=N:RANK` makes RANK SIGKILL itself in the middle of step N (after its
+forward/backward, before the step's all-reduce); `N:RANK:save` makes it die inside the checkpoint
+save at step N, after writing its shards and before the commit. Each fires once per run directory
+(a `.test-died-*` file records it), so the relaunched job gets past the same step.
+`CONA_TEST_SAVE_DELAY_S=S` makes every rank linger S seconds inside each save (a wider window for
+random kills).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def maybe_die(run_dir: Path, where: str, step: int, rank: int) -> None:
+    """SIGKILL this process if CONA_TEST_DIE_AT_STEP names this step, rank and place (once per run)."""
+    spec = os.environ.get("CONA_TEST_DIE_AT_STEP")
+    if not spec:
+        return
+    parts = spec.split(":")
+    at_step, at_rank, at = int(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else "step"
+    if (at_step, at_rank, at) != (step, rank, where):
+        return
+    try:
+        fd = os.open(run_dir / f".test-died-{step}-{rank}-{where}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_delay() -> None:
+    delay = float(os.environ.get("CONA_TEST_SAVE_DELAY_S", "0") or 0)
+    if delay > 0:
+        time.sleep(delay)

@@ -1,0 +1,159 @@
+"""Killed workers, a killed or stopped controller and unloadable checkpoints lose nothing.
+
+Each run is compared with one uninterrupted reference run of the same config: every step's final
+loss within 1e-4, consumed_samples continuing from the restored checkpoint (no sample skipped), and
+steps repeated only right after a restored checkpoint. Workers die through the test hook
+`CONA_TEST_DIE_AT_STEP` (launch/testhooks.py); the controller is killed for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO, TINY, write_config
+
+pytestmark = pytest.mark.e2e
+
+STEPS, GBS = 12, 16
+STRATEGY = "dp2-tp1-pp1-mbs2-gbs16"  # two ranks: half the start-up cost of TINY's four
+DOC = {**TINY, "cluster": {"procs_per_node": 2}, "strategy": STRATEGY,
+       "train": {**TINY["train"], "max_steps": STEPS, "checkpoint_interval": 4}}
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _cona(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from cona_cli.app import main; main()", *args]
+
+
+def _train(tmp: Path, *args: str, env: dict[str, str] | None = None, doc: dict = DOC) -> subprocess.CompletedProcess:
+    cfg = write_config(tmp / "tiny.yaml", doc)
+    return subprocess.run(_cona("train", str(cfg), "--run-dir", str(tmp / "run"), *args), cwd=REPO, text=True,
+                          capture_output=True, timeout=240, env={**os.environ, **(env or {})})
+
+
+def _resume(run: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(_cona("train", "--resume", str(run)), cwd=REPO, text=True, capture_output=True, timeout=240)
+
+
+def _start_and_wait(tmp: Path, step: int) -> subprocess.Popen:
+    """Start a run in the background and return once metrics show `step`."""
+    cfg = write_config(tmp / "tiny.yaml", DOC)
+    proc = subprocess.Popen(_cona("train", str(cfg), "--run-dir", str(tmp / "run")), cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics, deadline = tmp / "run" / "metrics.jsonl", time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and f'"step": {step},' in metrics.read_text()):
+        time.sleep(0.1)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """Loss per step of the same config, uninterrupted."""
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = _train(tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["step"]: r["loss"] for r in _rows(tmp / "run" / "metrics.jsonl") if r["kind"] == "step"}
+
+
+def check_recovered(run: Path, reference: dict[int, float]) -> list[dict]:
+    """The run reached the end as if nothing happened; returns its events."""
+    events = _rows(run / "events.jsonl")
+    restored = {e["launch"]: e["step"] for e in events if e["kind"] == "launch"}
+    steps = [r for r in _rows(run / "metrics.jsonl") if r["kind"] == "step"]
+    last, launch = 0, None
+    for r in steps:
+        assert r["consumed_samples"] == r["step"] * GBS, r  # every sample once, continuing after a restore
+        if r["step"] != last + 1:  # repeated steps only right after the checkpoint a new launch restored
+            assert r["launch"] != launch and r["step"] == restored[r["launch"]] + 1 <= last, (r, restored)
+        last, launch = r["step"], r["launch"]
+    final = {r["step"]: r["loss"] for r in steps}
+    assert sorted(final) == list(range(1, STEPS + 1))
+    for step, loss in final.items():
+        assert abs(loss - reference[step]) < 1e-4, (step, loss, reference[step])
+    times = [r["time"] for r in steps]
+    assert times == sorted(times) and all("wall_clock" in r for r in steps)
+    assert events[-1]["kind"] == "exit" and events[-1]["code"] == 0 and events[-1]["step"] == STEPS
+    return events
+
+
+def test_worker_killed_mid_step_is_relaunched_from_the_last_checkpoint(tmp_path: Path,
+                                                                       reference: dict[int, float]) -> None:
+    proc = _train(tmp_path, env={"CONA_TEST_DIE_AT_STEP": "6:1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = check_recovered(tmp_path / "run", reference)
+    failure = next(e for e in events if e["kind"] == "failure")
+    assert (failure["rank"], failure["rank_exit_code"]) == (1, -9) and not failure["bad_checkpoint"]
+    relaunch = [e for e in events if e["kind"] == "launch"][1]
+    assert relaunch["reason"] == "restart" and relaunch["step"] == 4
+    assert "rank 1 failed first (signal SIGKILL)" in proc.stderr
+
+
+def test_worker_killed_while_saving_keeps_the_previous_checkpoint(tmp_path: Path,
+                                                                  reference: dict[int, float]) -> None:
+    proc = _train(tmp_path, env={"CONA_TEST_DIE_AT_STEP": "8:1:save"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = check_recovered(tmp_path / "run", reference)
+    assert [e["step"] for e in events if e["kind"] == "launch"] == [0, 4]  # the torn step-8 save is not used
+    assert not any(e["kind"] == "warning" for e in events)  # it never looked committed
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000008", "step_000012"]
+
+
+def test_controller_sigkill_then_resume(tmp_path: Path, reference: dict[int, float]) -> None:
+    proc = _start_and_wait(tmp_path, 3)
+    proc.kill()
+    proc.communicate(timeout=30)
+    run = tmp_path / "run"
+    state = json.loads((run / "controller_state.json").read_text())
+    assert state["stage"]["strategy"] == STRATEGY and state["launch"] == 1
+    resumed = _resume(run)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    events = check_recovered(run, reference)
+    resume = next(e for e in events if e["kind"] == "resume")
+    launch = [e for e in events if e["kind"] == "launch"][-1]
+    assert launch["reason"] == "resume" and launch["launch"] == 2 and launch["step"] == resume["step"] >= 3
+    # run time continues where it stopped; the stopped gap only shows in the wall clock
+    before = [r for r in _rows(run / "metrics.jsonl") if r["wall_clock"] < resume["wall_clock"]]
+    assert 0 <= resume["time"] - max(r["time"] for r in before) < 1
+
+
+def test_controller_sigterm_exits_143_and_resumes_past_an_unloadable_checkpoint(
+        tmp_path: Path, reference: dict[int, float]) -> None:
+    proc = _start_and_wait(tmp_path, 6)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    run = tmp_path / "run"
+    events = _rows(run / "events.jsonl")
+    assert [e["kind"] for e in events][-2:] == ["interrupted", "exit"] and events[-2]["signal"] == "SIGTERM"
+    *_, older, newest = (e for e in events if e["kind"] == "checkpoint")
+    newest = Path(newest["path"])
+    for shard in newest.glob("*.distcp"):  # same size, garbage inside: only loading can tell
+        shard.write_bytes(b"\0" * shard.stat().st_size)
+    resumed = _resume(run)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    events = check_recovered(run, reference)
+    failure = next(e for e in events if e["kind"] == "failure")
+    assert failure["bad_checkpoint"] and failure["rank_exit_code"] == 3
+    assert any(e["kind"] == "warning" and newest.name in e["message"] for e in events)
+    assert [e["step"] for e in events if e["kind"] == "launch"][-1] == older["step"]
+    assert (newest.parent / f"bad-{newest.name}").is_dir()
+
+
+def test_gives_up_after_max_restarts(tmp_path: Path) -> None:
+    doc = {**DOC, "train": {**DOC["train"], "max_restarts": 0}}
+    proc = _train(tmp_path, env={"CONA_TEST_DIE_AT_STEP": "2:0"}, doc=doc)
+    assert proc.returncode == 1
+    assert "giving up: 1 failed launches within 3600 s (train.max_restarts = 0)" in proc.stderr
+    events = _rows(tmp_path / "run" / "events.jsonl")
+    assert [e["kind"] for e in events][-2:] == ["failure", "exit"] and events[-1]["reason"] == "failed"
