@@ -28,7 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cona_cli import checkpoints
 from cona_cli.config import Config
-from cona_cli.failures import Failure, parse_failure
+from cona_cli.failures import parse_failure
 from cona_cli.policy import Policy, Stage
 from cona_cli.runstate import RunState, stage_from_dict, stage_to_dict
 from cona_cli.strategy import Strategy
