@@ -2,16 +2,24 @@
 
 One step of strategy s = (dp, tp, pp, mbs, gbs) with m = gbs / (dp * mbs) micro-batches:
 
-    T = (m + pp - 1) * t_stage            pipeline incl. bubble (pp - 1) / (m + pp - 1)
+    T = pipeline                          m micro-batches through pp stages, incl. the bubble
       + exposed DP gradient sync          ring all-reduce, partly hidden behind backward
       + optimizer step                    memory-bound AdamW over the local parameters
-      + step overhead                     fixed per step (data, loss, logging, launch gaps)
+      + step overhead                     fixed per step (data, loss, grad norm, logging, launch gaps)
 
-    t_stage = layers/pp * (compute + TP all-reduces + kernel overhead) + output head + PP send/recv
+Each stage's time per micro-batch is split into host work and waiting (AdaptDL-style named terms):
+
+    work  = layers/pp * (compute + layer overhead + TP dispatch) + output head + micro-batch overhead
+    wait  = layers/pp * TP all-reduces + head TP collectives + PP send/recv
 
 Compute is FLOPs / (peak * efficiency), efficiency = mfu_max * f / (f + f_half) growing with the work f
-per layer and micro-batch on one device (so with mbs, and shrinking with tp). Every function takes
-strategies as an (n, 5) integer array of (dp, tp, pp, mbs, gbs) rows and is vectorised over n.
+per layer and micro-batch on one device (so with mbs, and shrinking with tp). On GPUs the pipeline
+takes (m + pp - 1) * (work + wait). On CPUs whose processes outnumber the cores (contention
+c = procs / cores > 1) a rank's work runs c times slower while all ranks are busy, but the pipeline
+bubble frees cores: work is bounded below by the critical path (m + pp - 1) * work at one core per
+process and by the node's throughput m * c * work, whichever is larger; waiting uses no core.
+Every function takes strategies as an (n, 5) integer array of (dp, tp, pp, mbs, gbs) rows and is
+vectorised over n.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class HardwareProfile:
     tp_overhead_us: float          # extra fixed cost per tensor-parallel layer per micro-batch (DTensor dispatch)
     reserved_gib: float            # runtime/context memory per process
     cores_per_node: int | None = None  # CPUs: processes of a node share its cores and memory
+    microbatch_overhead_us: float = 0.0  # fixed host cost per micro-batch and stage (schedule, loss, autograd start)
 
     def device_flops(self, precision: str, procs_per_node: int) -> float:
         """FLOP/s one process can reach at 100% efficiency."""
@@ -179,12 +188,18 @@ def ring_allreduce_s(n: np.ndarray, nbytes: np.ndarray, bw: np.ndarray, lat: np.
     return np.where(n > 1, 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat, 0.0)
 
 
+def tp_collectives_per_layer(recompute: bool) -> float:
+    """Megatron TP all-reduces per layer and micro-batch: 2 forward (attention and MLP outputs),
+    2 backward (their inputs' gradients), and the 2 forward ones again when the layer is recomputed."""
+    return 6.0 if recompute else 4.0
+
+
 def iteration_time(x: np.ndarray, w: Workload, hw: HardwareProfile) -> np.ndarray:
     """Predicted seconds per training step for each row of x = (dp, tp, pp, mbs, gbs)."""
     dp, tp, pp, mbs, gbs = (x[:, i].astype(np.float64) for i in range(5))
     m = gbs / (dp * mbs)
     ppn = w.procs_per_node
-    flops = hw.device_flops(w.precision, ppn)
+    flops = hw.device_flops(w.precision, ppn)  # already the per-process share of the node's cores
     contention = hw.cpu_contention(ppn)
     intra_bw, inter_bw = hw.intra_bw_gbs * 1e9, hw.inter_bw_gbs * 1e9
     intra_lat, inter_lat = hw.intra_latency_us * 1e-6, hw.inter_latency_us * 1e-6
@@ -201,21 +216,33 @@ def iteration_time(x: np.ndarray, w: Workload, hw: HardwareProfile) -> np.ndarra
     # Ranks are laid out (pp, dp, tp) with tp innermost; a node's NIC is shared by the rings crossing it.
     tp_local = tp <= ppn
     tp_ar = ring_allreduce_s(tp, act, np.where(tp_local, intra_bw, inter_bw), np.where(tp_local, intra_lat, inter_lat))
-    fixed = (hw.layer_overhead_us + np.where(tp > 1, hw.tp_overhead_us, 0.0)) * 1e-6 * contention
-    layer = passes * layer_fwd + (passes + 1) * tp_ar + fixed
+    # Host work, in seconds of a process that has a core to itself (compute_s already divides the
+    # node's FLOP/s among its processes, so compute is not slowed again by the contention below).
+    host_layer = (hw.layer_overhead_us + np.where(tp > 1, hw.tp_overhead_us, 0.0)) * 1e-6  # eager dispatch
+    layer_work = passes * layer_fwd / contention + host_layer
+    layer_wait = tp_collectives_per_layer(w.recompute) * tp_ar
+    # Vocab-parallel ends: the embedding's output all-reduce (forward) on the first stage; the output
+    # head's logits all-gather (forward) and input-gradient all-reduce (backward) on the last one.
+    head_wait = np.where(pp == 1, 3.0, 2.0) * tp_ar
     if w.nodes > 1:  # some stage boundary crosses nodes; every rank of a stage sends at once
         pp_bw, pp_lat = inter_bw / np.minimum(dp * tp, ppn), inter_lat
     else:
         pp_bw, pp_lat = intra_bw, intra_lat
     p2p = np.where(pp > 1, 2 * (pp_lat + act / pp_bw), 0.0)  # activation forward, its gradient back
-    stage = w.n_layers / pp * layer + 3 * head_fwd + p2p
-    pipeline = (m + pp - 1) * stage
+    stage_work = w.n_layers / pp * layer_work + 3 * head_fwd / contention + hw.microbatch_overhead_us * 1e-6
+    stage_wait = w.n_layers / pp * layer_wait + head_wait + p2p
+    slots = m + pp - 1  # 1F1B / GPipe: pp - 1 fill-and-drain slots around the m micro-batches
+    # Host work runs `contention` times slower while every process is busy; in the bubble some are
+    # idle and the others get their cores: at least the critical path at one core per process, at
+    # least the node's total work divided among its cores (equal on GPUs: contention 1).
+    pipeline = np.maximum(slots, contention * m) * stage_work + slots * stage_wait
 
     local_params = w.stage_params(tp, pp)
     dp_local = dp * tp <= ppn
     dp_bw = np.where(dp_local, intra_bw, inter_bw / np.minimum(tp, ppn))  # tp DP rings share a NIC
     dp_lat = np.where(dp_local, intra_lat, inter_lat)
     grad_bytes = local_params * w.act_bytes
+    stage = stage_work * contention + stage_wait  # one micro-batch of a stage with all processes busy
     if w.dp_impl == "fsdp":  # all-gather before forward and backward of every micro-batch, reduce-scatter
         gather = np.where(dp > 1, (dp - 1) / dp * grad_bytes / dp_bw + (dp - 1) * dp_lat, 0.0)
         dp_comm = (2 * m + 1) * gather
