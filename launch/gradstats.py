@@ -50,7 +50,8 @@ class SmallBatchNorms:
         self.b_small = s.gbs // s.dp if s.dp > 1 else s.mbs
         self.n_small = s.dp if s.dp > 1 else s.n_microbatches
         self._share = 0.0
-        self._prev: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._increments: list[torch.Tensor] = []  # 0-d tensors: no host sync inside the hooks
+        self._prev: dict[torch.nn.Parameter, torch.Tensor] = {}  # accumulated gradient so far
         if not self.available:
             return
         if isinstance(pm.wrapped, DDP):
@@ -64,7 +65,9 @@ class SmallBatchNorms:
 
     def begin_step(self) -> None:
         self._share = 0.0
-        self._prev.clear()
+        self._increments.clear()
+        for buf in self._prev.values():
+            buf.zero_()
 
     def before_dp_reduce(self) -> None:
         """Our own dp all-reduce is about to run: read the local replica gradients first."""
@@ -72,6 +75,9 @@ class SmallBatchNorms:
             self._share += _sq(self.pm.counted_grads(("tp",)))
 
     def local_share(self) -> float:
+        if self._increments:
+            self._share += float(torch.stack(self._increments).sum()) * self._inc_scale ** 2
+            self._increments.clear()
         return self._share
 
     def _ddp_hook(self, state, bucket):  # noqa: ANN001, ANN201
@@ -87,6 +93,9 @@ class SmallBatchNorms:
             return
         g = _local(p.grad)
         prev = self._prev.get(p)
-        inc = g if prev is None else g - prev
-        self._share += float(inc.double().pow(2).sum()) * self._inc_scale ** 2
-        self._prev[p] = g.clone()
+        if prev is None:
+            prev = self._prev[p] = torch.zeros_like(g)
+        prev.sub_(g)  # = -(this micro-batch's gradient increment), in place
+        flat = prev.view(-1)
+        self._increments.append(torch.dot(flat, flat))
+        prev.copy_(g)

@@ -45,8 +45,10 @@ def measure_startup(config: Path, world: int, gbs: int) -> float:
         cmd = [sys.executable, "-c", "from cona_cli.app import main; main()", "train", str(config),
                "--strategy", f"dp{world}-tp1-pp1-mbs2-gbs{gbs}", "--max-steps", "2", "--run-dir", str(run)]
         subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
-        launch = next(json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if '"launch"' in x)
-        first = next(json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"step"' in x)
+        launch = next(e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+                      if e["kind"] == "launch")
+        first = next(r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                     if r["kind"] == "step")
         return first["time"] - first["iter_s"] - launch["time"]
 
 

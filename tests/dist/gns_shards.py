@@ -56,7 +56,7 @@ def main() -> None:
         dp, tp, pp = (int(v) for v in layout.split("-"))
         s = Strategy(dp, tp, pp, MBS, GBS)
         w = Worker(cfg, run_dir, s, launch=1)
-        noise = w.train_step(False)[4]
+        noise = w.train_step(False).noise
         ref = reference(cfg, corpus, s)
         results[str(s)] = {"grad_sq": noise["grad_sq_raw"], "trace": noise["trace_raw"],
                            "ref_grad_sq": ref[0], "ref_trace": ref[1]}

@@ -82,7 +82,7 @@ def main() -> None:
     for dp, tp, pp in LAYOUTS:
         s = Strategy(dp, tp, pp, 2, gbs)
         w = Worker(cfg, run_dir, s, launch=1)
-        results["layouts"][str(s)] = [w.train_step(False)[0] for _ in range(STEPS)]
+        results["layouts"][str(s)] = [w.train_step(False).loss for _ in range(STEPS)]
     for i, (a, b) in enumerate(RESHARD):
         wa = Worker(cfg, run_dir, Strategy(*a), launch=1)
         wa.ckpt_root = run_dir / f"ckpt_{i}"
