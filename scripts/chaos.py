@@ -1,0 +1,168 @@
+"""Chaos test: train the tiny config N times, SIGKILL a random worker rank or the controller at a
+random moment (1–2 kills per run; `cona train --resume` after a controller kill), then check that
+every run finished, that each committed checkpoint loads, and how many steps a recovery lost.
+
+    .venv/bin/python scripts/chaos.py 20 [--seed 0] [--keep]
+
+Saves linger 0.3 s (CONA_TEST_SAVE_DELAY_S) so that some kills land inside a checkpoint save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from cona_cli import checkpoints  # noqa: E402
+from cona_cli.controller import expected_shapes  # noqa: E402
+from cona_cli.runstate import RunState  # noqa: E402
+from tests.support import TINY, write_config  # noqa: E402
+
+STEPS = 30
+DOC = {**TINY, "cluster": {"procs_per_node": 2}, "strategy": "dp2-tp1-pp1-mbs2-gbs16",
+       "train": {**TINY["train"], "max_steps": STEPS, "checkpoint_interval": 5, "max_restarts": 5}}
+ENV = {**os.environ, "CONA_TEST_SAVE_DELAY_S": "0.3"}
+
+
+def cona(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "from cona_cli.app import main; main()", *args], cwd=REPO,
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def rows(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def last_step(run: Path) -> int:
+    return max((r["step"] for r in rows(run / "metrics.jsonl") if r.get("kind") == "step"), default=0)
+
+
+def worker_pids(run: Path) -> list[int]:
+    """The ranks of the running torchrun job (children of the torchrun process)."""
+    state = RunState.load(run)
+    if state is None or state.torchrun_pid is None:
+        return []
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == state.torchrun_pid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def checkpoint_loads(path: Path, shapes: checkpoints.Shapes, cfg_doc: dict, vocab: int) -> bool:
+    """Load the model tensors of a committed checkpoint in this process."""
+    import torch.distributed.checkpoint as dcp
+
+    from launch.model import GPT, GPTArgs
+
+    if checkpoints.problem(path, shapes) is not None:
+        return False
+    m = cfg_doc["model"]
+    model = GPT(GPTArgs(m["n_layers"], m["d_model"], m["n_heads"], m["n_heads"], m["ffn"], m["seq_len"], vocab, 0.0))
+    try:
+        dcp.load({"model": model.state_dict()}, checkpoint_id=str(path))
+    except BaseException:  # DCP's CheckpointException is a BaseException
+        return False
+    return True
+
+
+def one_run(tmp: Path, rng: random.Random) -> dict:
+    tmp.mkdir(parents=True)
+    cfg = write_config(tmp / "tiny.yaml", DOC)
+    run = tmp / "run"
+    proc = cona("train", str(cfg), "--run-dir", str(run))
+    kills = {"worker": 0, "controller": 0}
+    for _ in range(rng.choice([1, 2])):
+        at = last_step(run) + rng.randint(1, 8)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and last_step(run) < at and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0, 0.4))
+        if proc.poll() is not None:
+            break
+        pids = worker_pids(run)
+        if rng.random() < 0.5 and pids:
+            os.kill(rng.choice(pids), signal.SIGKILL)
+            kills["worker"] += 1
+        else:
+            proc.kill()
+            proc.wait()
+            kills["controller"] += 1
+            proc = cona("train", "--resume", str(run))
+    _, err = proc.communicate(timeout=600)
+    steps = [r for r in rows(run / "metrics.jsonl") if r.get("kind") == "step"]
+    final = {r["step"]: r for r in steps}
+    ok = proc.returncode == 0 and sorted(final) == list(range(1, STEPS + 1)) and \
+        all(r["consumed_samples"] == r["step"] * 16 for r in steps)
+    lost = 0
+    for e in rows(run / "events.jsonl"):  # steps reached before a recovery minus the step it restored
+        if e.get("kind") == "launch" and e.get("reason") in ("restart", "resume"):
+            reached = max((r["step"] for r in steps if r["wall_clock"] < e["wall_clock"]), default=0)
+            lost = max(lost, reached - e["step"])
+    from cona_cli.config import config_from_dict
+
+    shapes = expected_shapes(config_from_dict(DOC), run)
+    vocab = json.loads((run / "corpus.json").read_text())["vocab_size"]
+    root = run / "checkpoints"
+    corrupt = sum(not checkpoint_loads(p, shapes, DOC, vocab) for p in checkpoints.committed(root))
+    corrupt += sum(1 for p in root.iterdir() if p.name.startswith("bad")) if root.is_dir() else 0
+    return {"ok": ok, "kills": kills, "lost": lost, "corrupt": corrupt, "loss": final.get(STEPS, {}).get("loss"),
+            "err": "" if ok else err[-1500:]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("n", type=int, help="number of runs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", action="store_true", help="keep the run folders")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    base = Path(tempfile.mkdtemp(prefix="cona-chaos-"))
+    os.environ.setdefault("CONA_CACHE", str(base / "cache"))
+    ENV.setdefault("CONA_CACHE", os.environ["CONA_CACHE"])
+    results, t0 = [], time.monotonic()
+    for i in range(args.n):
+        r = one_run(base / f"run{i:03d}", rng)
+        results.append(r)
+        print(f"run {i + 1}/{args.n}: {'completed' if r['ok'] else 'FAILED'}, kills {r['kills']}, "
+              f"lost {r['lost']} steps, corrupt checkpoints {r['corrupt']}, final loss {r['loss']}", flush=True)
+        if r["err"]:
+            print(r["err"], flush=True)
+    losses = {round(r["loss"], 4) for r in results if r["loss"] is not None}
+    print(f"\nruns completed:          {sum(r['ok'] for r in results)}/{args.n}")
+    print(f"kills survived:          {sum(sum(r['kills'].values()) for r in results if r['ok'])} "
+          f"(worker {sum(r['kills']['worker'] for r in results)}, "
+          f"controller {sum(r['kills']['controller'] for r in results)})")
+    print(f"checkpoints corrupted:   {sum(r['corrupt'] for r in results)}")
+    print(f"largest loss of progress: {max((r['lost'] for r in results), default=0)} steps")
+    print(f"final losses (distinct): {sorted(losses)}")
+    print(f"wall time:               {time.monotonic() - t0:.0f} s  ({base})")
+    if not args.keep:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
