@@ -141,15 +141,28 @@ def test_layout_switch_continues_without_repeat_or_skip(ramp: str) -> None:
 
 
 def test_eval_batches_are_layout_independent(ramp: str) -> None:
-    def concat(dp: int, mbs: int) -> list[int]:
-        return [k for r in range(dp) for k in window_ids(eval_batches(ramp, SEQ, 24 * SEQ, dp, r, mbs))]
+    """The same fixed windows under every (gbs, dp, mbs), in order; the last step padded with IGNORE."""
+    from launch.model import IGNORE
 
-    assert concat(1, 24) == concat(2, 3) == concat(4, 2) == concat(3, 8) == list(range(24))
-    assert len(concat(5, 1)) == 20  # rounded down to a multiple of dp*mbs
-    assert len(concat(4, 4)) == 16
-    assert window_ids(eval_batches(ramp, SEQ, 1, 2, 0, 2)) == [0, 1]  # at least dp*mbs windows
+    def layout(gbs: int, dp: int, mbs: int) -> tuple[list[int], int]:
+        per_rank = [eval_batches(ramp, SEQ, 24 * SEQ, gbs, dp, r, mbs) for r in range(dp)]
+        ids, pads = [], 0
+        for step in range(len(per_rank[0])):
+            for r in range(dp):
+                assert all(x.shape[0] == mbs for x, _ in per_rank[r][step])
+                for x, y in per_rank[r][step]:
+                    for row_x, row_y in zip(x, y):
+                        if (row_y == IGNORE).all():
+                            pads += 1
+                        else:
+                            ids.append(int(row_x[0]) // SEQ)
+        return ids, pads
+
+    for gbs, dp, mbs in ((24, 1, 24), (8, 2, 2), (16, 4, 2), (48, 3, 8), (20, 5, 1)):
+        ids, pads = layout(gbs, dp, mbs)
+        assert ids == list(range(24)) and pads == -24 % gbs, (gbs, dp, mbs)
     with pytest.raises(DataError, match="ramp.npy"):
-        eval_batches(ramp, SEQ, 10_000, 8, 0, 8)
+        eval_batches(ramp, SEQ, 10_000, 8, 1, 0, 8)
 
 
 def test_errors_name_the_file(tmp_path: Path) -> None:
