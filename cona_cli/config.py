@@ -148,6 +148,7 @@ class SearchConfig:
     min_steps: int = _f(5, _positive)  # timed steps of a strategy before deciding
     fallback: bool = _f(True)
     fallback_patience: int = _f(20, _positive)  # steps of falling GNS that trigger a fallback
+    optimism: float = _f(1.0, _non_negative)  # stds taken off the predicted T of strategies never run
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from cona_cli.config import Config
 from cona_cli.costmodel import HardwareProfile, Workload
 from cona_cli.decision import FallbackMonitor, decide
 from cona_cli.policy import Policy, Stage
-from cona_cli.search import SearchResult, search_gbs
+from cona_cli.search import Candidate, SearchResult, search_gbs
 from cona_cli.space import enumerate_space, gbs_ladder
 from cona_cli.strategy import Strategy
 
@@ -150,20 +150,35 @@ class ConaPolicy(Policy):
             nxt = results.get(self.ladder[i + 1])
             if nxt is not None and nxt.best is not None:
                 candidates.append(("next_gbs", nxt.best))
+        if self.previous:  # the rung we came from, at its measured speed: undo a move that did not pay
+            back = self.previous[-1]
+            t_back = statistics.median(self.samples[back])
+            candidates.append(("previous_gbs", Candidate(back, t_back, 0.0, 0.0, 0.0)))
         if not candidates:
             self._log(row, None, "no candidate yet (search running or top rung)", False, gns=gns, t_cur=t_cur)
             return None
         best = None
         for kind, cand in candidates:
-            d = decide(cur.gbs, t_cur, cand.strategy.gbs, cand.time_s, gns, self.switch_cost(),
+            t_cand = self._optimistic_time(cand, t_cur)
+            d = decide(cur.gbs, t_cur, cand.strategy.gbs, t_cand, gns, self.switch_cost(),
                        self.s.horizon_s, self.s.margin)
             if best is None or d.ratio > best[2].ratio:
-                best = (kind, cand, d)
-        kind, cand, d = best
-        self._log(row, cand, d.why, d.switch, gns=gns, t_cur=t_cur, decision=d, candidate_kind=kind)
+                best = (kind, cand, d, t_cand)
+        kind, cand, d, t_cand = best
+        self._log(row, cand, d.why, d.switch, gns=gns, t_cur=t_cur, decision=d, candidate_kind=kind,
+                  candidate_t=t_cand)
         if not d.switch:
             return None
         return Stage(cand.strategy, None, "decision")
+
+    def _optimistic_time(self, cand: Candidate, t_cur: float) -> float:
+        """Measured median for a strategy that ran; otherwise optimism in the face of uncertainty:
+        the prediction minus `search.optimism` standard deviations, but never below half the
+        prediction, nor (unless the model itself says so) below the running step's measured time.
+        A wrong guess costs one switch: once measured, the previous rung competes at its real speed."""
+        if cand.strategy in self.samples:
+            return statistics.median(self.samples[cand.strategy])
+        return max(cand.time_s - self.s.optimism * cand.time_std, 0.5 * cand.time_s, min(cand.time_s, t_cur))
 
     def _fall_back(self, row: dict[str, Any], gns: float) -> Stage | None:
         self.fallback.disarm()
@@ -179,8 +194,9 @@ class ConaPolicy(Policy):
         if requested is None:
             return None
         old = self.current.strategy
-        if requested.reason == "fallback":
+        if self.previous and requested.strategy == self.previous[-1]:  # back down (fallback or decision)
             self.previous.pop()
+            self.fallback.disarm()
         elif requested.strategy.gbs > old.gbs:
             self.previous.append(old)
             self.fallback.arm()

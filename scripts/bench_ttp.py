@@ -56,6 +56,7 @@ def main() -> None:
     cfg = load_config(args.config)
     ladder = gbs_ladder(cfg)
     runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2])
+    names = list(runs)
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -67,9 +68,9 @@ def main() -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
         print(f"== {name}: {args.max_time:.0f} s", flush=True)
         subprocess.run([*cona, "train", str(cfg_path), "--run-dir", str(run_dir)], check=True, cwd=REPO)
-    dirs = [str(args.out / name) for name in runs]
+    dirs = [str(args.out / n) for n in names if (args.out / n / "events.jsonl").exists()]  # --only: earlier ones too
     targets = [a for t in args.targets.split(",") for a in ("--target-ppl", t)]
-    baseline = ["--baseline", str(args.out / "static-auto")] if "static-auto" in runs else []
+    baseline = ["--baseline", str(args.out / "static-auto")] if str(args.out / "static-auto") in dirs else []
     subprocess.run([*cona, "report", *dirs, *targets, *baseline, "--format", "markdown"], check=True, cwd=REPO)
 
 

@@ -1,0 +1,61 @@
+"""The online policy on scripted telemetry: climbs when Φ says so, and undoes a move that did not pay."""
+
+from __future__ import annotations
+
+from cona_cli.config import config_from_dict
+from cona_cli.costmodel import load_hardware
+from cona_cli.online import ConaPolicy
+from tests.support import TINY
+
+
+class Events:
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def write(self, kind: str, **fields: object) -> dict:
+        self.rows.append({"kind": kind, **fields})
+        return self.rows[-1]
+
+
+def _policy() -> tuple[ConaPolicy, Events]:
+    doc = {k: v for k, v in TINY.items() if k != "strategy"}
+    doc["search"] = {"gbs_min": 8, "gbs_max": 32, "mbs": [2, 4, 8], "switch_cost_s": 1.0, "horizon_s": 600,
+                     "decision_every": 2, "min_steps": 2}
+    policy = ConaPolicy(config_from_dict(doc, "test"), load_hardware("cpu-local"))
+    policy.events = Events()
+    return policy, policy.events
+
+
+def _feed(policy: ConaPolicy, launch: int, first_step: int, n: int, iter_s: float, gns: float):
+    for step in range(first_step, first_step + n):
+        stage = policy.on_metric({"kind": "step", "step": step, "launch": launch, "iter_s": iter_s, "gns": gns})
+        if stage is not None:
+            return step, stage
+        policy.wait_for_search()  # deterministic test: let each background search finish
+    return None, None
+
+
+def test_stays_while_gns_is_small_then_climbs_and_undoes_a_bad_move() -> None:
+    policy, events = _policy()
+    start = policy.first().strategy
+    assert start.gbs == 8
+    t8 = 0.05
+    step, stage = _feed(policy, 1, 1, 20, t8, gns=0.01)  # no noise: bigger batches only cost time
+    assert stage is None
+    decisions = [e for e in events.rows if e["kind"] == "decision" and "ratio" in e]
+    assert decisions and all(not e["switch"] and e["ratio"] < 1.01 for e in decisions)
+
+    step, stage = _feed(policy, 1, 21, 20, t8, gns=1e5)  # noise dominates: throughput decides
+    assert stage is not None and stage.strategy.gbs == 16 and stage.reason == "decision"
+    chosen = events.rows[-1]
+    assert chosen["switch"] and chosen["ratio"] > chosen["needed"] and chosen["candidate_kind"] == "next_gbs"
+    assert policy.after_launch({"step": step}, stage) == stage
+
+    # The new rung turns out 5x slower per step than the old one: going back is measured, not guessed.
+    step, back = _feed(policy, 2, step + 1, 20, 5 * t8 * 2, gns=1e5)
+    assert back is not None and back.strategy == start
+    assert events.rows[-1]["candidate_kind"] == "previous_gbs"
+    policy.after_launch({"step": step}, back)
+    assert policy.current.strategy == start and policy.previous == []
+    state = policy.state_dict()
+    assert str(stage.strategy) in state["samples"]  # the bad rung's real speed is remembered
