@@ -35,12 +35,13 @@ def scale_grads(pm: ParallelModel, factor: float) -> None:
 class SmallBatchNorms:
     """Squared gradient norms of the GNS estimator's small batches, measured during the step.
 
-    dp > 1: the small batch is one replica's batch (gbs/dp samples); its gradient is each replica's
-    local gradient *before* the data-parallel reduction (read in DDP's communication hook, or just
-    before our own all-reduce). dp = 1: the small batches are the step's micro-batches (mbs
-    samples); their gradients are the increments of the accumulated gradient, read in
-    post-accumulate hooks. `local_share()` is this rank's share of the sum over small batches;
-    summed over ranks and divided by `n_small` it is the mean |G_small|^2.
+    dp > 1: the small batches are the replicas' batches (gbs/dp samples each); their gradients are
+    each replica's local gradient *before* the data-parallel reduction (read in DDP's communication
+    hook, or just before our own all-reduce). dp = 1: the small batch is the step's first
+    micro-batch (mbs samples), whose gradient is what the first accumulation writes into each
+    `.grad` (read in post-accumulate hooks: one dot product per parameter and step). Summed over
+    ranks and divided by `n_small`, `local_share()` is the mean |G_small|^2. Hooks only queue 0-d
+    tensors; the one host sync happens in `local_share()`.
     """
 
     def __init__(self, pm: ParallelModel) -> None:
@@ -48,26 +49,28 @@ class SmallBatchNorms:
         self.pm = pm
         self.available = s.dp > 1 or s.n_microbatches > 1
         self.b_small = s.gbs // s.dp if s.dp > 1 else s.mbs
-        self.n_small = s.dp if s.dp > 1 else s.n_microbatches
+        self.n_small = s.dp if s.dp > 1 else 1
         self._share = 0.0
-        self._increments: list[torch.Tensor] = []  # 0-d tensors: no host sync inside the hooks
-        self._prev: dict[torch.nn.Parameter, torch.Tensor] = {}  # accumulated gradient so far
+        self._pending: list[torch.Tensor] = []
+        self._hooks: dict[torch.nn.Parameter, torch.utils.hooks.RemovableHandle] = {}
+        self._scale = 1.0
+        self._first_microbatch = False
         if not self.available:
             return
         if isinstance(pm.wrapped, DDP):
             pm.wrapped.register_comm_hook(pm.wrapped.process_group, self._ddp_hook)
         elif s.dp == 1:
-            # Accumulated micro-batch gradients are g_i / m with pp = 1 (we scale the loss), g_i with
-            # pipelining (the schedule rescales after the last backward).
-            self._inc_scale = float(s.n_microbatches) if s.pp == 1 else 1.0
-            for p in pm.model.parameters():
-                p.register_post_accumulate_grad_hook(self._accumulate_hook)
+            # The first micro-batch's gradient arrives as g_0 / m with pp = 1 (we scale the loss),
+            # as g_0 under pipelining (the schedule rescales after the last backward).
+            self._scale = float(s.n_microbatches) ** 2 if s.pp == 1 else 1.0
+            self._first_microbatch = True
 
     def begin_step(self) -> None:
         self._share = 0.0
-        self._increments.clear()
-        for buf in self._prev.values():
-            buf.zero_()
+        self._pending.clear()
+        if self._first_microbatch:  # each hook removes itself after the first micro-batch
+            for p in self.pm.model.parameters():
+                self._hooks[p] = p.register_post_accumulate_grad_hook(self._first_microbatch_hook)
 
     def before_dp_reduce(self) -> None:
         """Our own dp all-reduce is about to run: read the local replica gradients first."""
@@ -75,27 +78,22 @@ class SmallBatchNorms:
             self._share += _sq(self.pm.counted_grads(("tp",)))
 
     def local_share(self) -> float:
-        if self._increments:
-            self._share += float(torch.stack(self._increments).sum()) * self._inc_scale ** 2
-            self._increments.clear()
+        if self._pending:
+            self._share += float(torch.stack(self._pending).double().sum()) * self._scale
+            self._pending.clear()
         return self._share
 
     def _ddp_hook(self, state, bucket):  # noqa: ANN001, ANN201
         # Unannotated on purpose: DDP checks the annotations' objects, and postponed annotations
         # make them strings it rejects. (state: the process group; returns allreduce's future.)
         # Pure data parallelism (tp = pp = 1): every local gradient is the whole replica's.
-        self._share += float(bucket.buffer().double().pow(2).sum())
+        flat = bucket.buffer()
+        self._pending.append(torch.dot(flat, flat))
         return allreduce_hook(state, bucket)
 
     @torch.no_grad()
-    def _accumulate_hook(self, p: torch.nn.Parameter) -> None:
-        if not counts_here(p.grad, self.pm.coord, ("tp",)):
-            return
-        g = _local(p.grad)
-        prev = self._prev.get(p)
-        if prev is None:
-            prev = self._prev[p] = torch.zeros_like(g)
-        prev.sub_(g)  # = -(this micro-batch's gradient increment), in place
-        flat = prev.view(-1)
-        self._increments.append(torch.dot(flat, flat))
-        prev.copy_(g)
+    def _first_microbatch_hook(self, p: torch.nn.Parameter) -> None:
+        self._hooks.pop(p).remove()
+        if counts_here(p.grad, self.pm.coord, ("tp",)):
+            flat = _local(p.grad).reshape(-1)
+            self._pending.append(torch.dot(flat, flat))

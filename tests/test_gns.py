@@ -36,17 +36,19 @@ def test_two_batch_estimator_recovers_known_values() -> None:
     assert abs(est_tr / est_g - true_trace / true_grad_sq) / (true_trace / true_grad_sq) < 0.06
 
 
-def test_accumulation_path_micro_batches_as_small_batches() -> None:
-    """dp = 1: the m micro-batches of one replica are the small batches (B_small = mbs)."""
+def test_accumulation_path_first_micro_batch_as_small_batch() -> None:
+    """dp = 1: the step's first micro-batch (B_small = mbs) against the whole batch (B_big = gbs)."""
     rng = np.random.default_rng(1)
     g = rng.standard_normal(100)
     ests = []
-    for _ in range(600):
-        small, big = _synthetic(g, 2.0, 2, 8, rng)
+    for _ in range(3000):
+        samples = g + 2.0 * rng.standard_normal((16, g.size))  # 8 micro-batches of 2
+        small = float((samples[:2].mean(axis=0) ** 2).sum())
+        big = float((samples.mean(axis=0) ** 2).sum())
         ests.append(two_batch_estimate(2, small, 16, big))
     est_g, est_tr = np.mean(ests, axis=0)
     assert abs(est_g - (g ** 2).sum()) / (g ** 2).sum() < 0.08
-    assert abs(est_tr - 400.0) / 400.0 < 0.03
+    assert abs(est_tr - 400.0) / 400.0 < 0.05
 
 
 def test_smoothing_is_bias_corrected_and_forgets_in_samples() -> None:

@@ -40,9 +40,8 @@ def reference(cfg, corpus: CorpusInfo, s: Strategy) -> tuple[float, float]:
         ys = [torch.cat([mb[1] for mb in replica_microbatches(stream, 0, s.gbs, s.dp, r, s.mbs)]) for r in range(s.dp)]
         small = sum(grad_sq(x, y) for x, y in zip(parts, ys)) / s.dp
         return two_batch_estimate(s.gbs // s.dp, small, s.gbs, big)
-    micro = replica_microbatches(stream, 0, s.gbs, 1, 0, s.mbs)
-    small = sum(grad_sq(x, y) for x, y in micro) / len(micro)
-    return two_batch_estimate(s.mbs, small, s.gbs, big)
+    x, y = replica_microbatches(stream, 0, s.gbs, 1, 0, s.mbs)[0]  # dp = 1: the first micro-batch
+    return two_batch_estimate(s.mbs, grad_sq(x, y), s.gbs, big)
 
 
 def main() -> None:
