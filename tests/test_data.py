@@ -19,7 +19,7 @@ from cona_cli.config import DataConfig
 from launch.data import (CorpusInfo, DataError, TokenStream, eval_batches, prepare_corpus,
                          replica_microbatches, synthetic_corpus)
 
-WIKITEXT = Path("/work/shared/data/wikitext-2-raw")
+WIKITEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikitext-2-raw"  # shared/ beside the repo
 SEQ = 8
 
 
