@@ -24,6 +24,7 @@ from cona_cli.strategy import Strategy
 
 WARMUP_STEPS = 2  # first steps of a launch (pipeline shape inference, allocator) are not timed
 REMEASURE = 0.1  # rerun the search when the running strategy's median moved by this fraction
+SAMPLE_WINDOW = 100  # step times kept per strategy (the controller saves its state every few steps)
 
 
 def fastest_strategy(cfg: Config, hw: HardwareProfile) -> Strategy:
@@ -123,7 +124,9 @@ class ConaPolicy(Policy):
         self._launch_steps += 1
         cur = self.current.strategy
         if self._launch_steps > WARMUP_STEPS:
-            self.samples.setdefault(cur, []).append(row["iter_s"])
+            times = self.samples.setdefault(cur, [])
+            times.append(row["iter_s"])
+            del times[:-SAMPLE_WINDOW]  # recent steps only: follows host drift, bounds the saved state
         gns = row.get("gns")
         if gns is not None and self.fallback.update(gns):
             return self._fall_back(row, gns)

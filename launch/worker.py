@@ -11,6 +11,7 @@ that cannot be loaded ends the rank with exit code `BAD_CHECKPOINT_EXIT`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -208,14 +209,19 @@ class Worker:
         s = self.strategy
         self.pm.model.eval()
         loss_sum = 0.0
-        for micro in eval_batches(self.valid_path, self.seq_len, self.cfg.train.eval_tokens,
-                                  s.gbs, s.dp, self.dp_rank, s.mbs):
+        for micro in self.eval_set:
             loss_sum += self.pm.evaluate(micro) * s.mbs * self.seq_len  # loss_fn divides by all positions
         self.pm.model.train()
         n_tokens = max(1, self.cfg.train.eval_tokens // self.seq_len) * self.seq_len
         (total,) = self._reduce([loss_sum if self._counts_loss() else 0.0])
         val_loss = total / n_tokens
         return val_loss, math.exp(min(val_loss, 50.0))
+
+    @functools.cached_property
+    def eval_set(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """This replica's share of the fixed validation slice, built once per launch."""
+        s = self.strategy
+        return eval_batches(self.valid_path, self.seq_len, self.cfg.train.eval_tokens, s.gbs, s.dp, self.dp_rank, s.mbs)
 
     def run_eval(self) -> float:
         val_loss, val_ppl = self.evaluate()
