@@ -47,10 +47,14 @@ def _resume(run: Path) -> subprocess.CompletedProcess:
 
 
 def _start_and_wait(tmp: Path, step: int) -> subprocess.Popen:
-    """Start a run in the background and return once metrics show `step`."""
+    """Start a run in the background and return once metrics show `step`.
+
+    Saves linger 1 s, so that on a fast host the run cannot reach its last step (past the next
+    periodic checkpoint) before the test's signal has been acted on."""
     cfg = write_config(tmp / "tiny.yaml", DOC)
     proc = subprocess.Popen(_cona("train", str(cfg), "--run-dir", str(tmp / "run")), cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "CONA_TEST_SAVE_DELAY_S": "1.0"})
     metrics, deadline = tmp / "run" / "metrics.jsonl", time.monotonic() + 120
     while time.monotonic() < deadline and not (metrics.exists() and f'"step": {step},' in metrics.read_text()):
         time.sleep(0.1)
