@@ -45,6 +45,10 @@ def _f(default: Any = dataclasses.MISSING, check: Check | None = None) -> Any:
     return field(default=default, metadata={"check": check})
 
 
+def _empty(factory: Callable[[], Any]) -> Any:
+    return field(default_factory=factory, metadata={"check": None})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer (nanoGPT/Llama style: RMSNorm, RoPE, SwiGLU-free GELU MLP)."""
@@ -75,15 +79,105 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class NodeSpec:
+    """One node of a `launcher: ssh` cluster: its address (an ssh destination, `user@` allowed) and
+    what differs on it."""
+
+    host: str
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+
+    @property
+    def addr(self) -> str:
+        """The address other nodes reach it at (the host without `user@`)."""
+        return self.host.rpartition("@")[2]
+
+
+LAUNCHERS = ("local", "ssh", "slurm")
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
+    """Where the workers run. `nodes` in the YAML is a count (`local`, `slurm`), a list of hosts
+    (`ssh`; each a string or {host, env, workdir}), or `slurm` (the hosts of the allocation)."""
+
     nodes: int = _f(1, _positive)
     procs_per_node: int = _f(1, _positive)
     backend: str = _f("auto", _one_of("auto", "gloo", "nccl"))
     threads_per_proc: int | None = _f(None, _positive)
+    launcher: str = _f("local", _one_of(*LAUNCHERS))
+    head_addr: str | None = _f(None)  # this machine's address on the cluster network (telemetry binds it)
+    rdzv_endpoint: str | None = _f(None)  # host[:port] of the c10d store; default head_addr, a free port
+    env: dict[str, str] = _empty(dict)  # given to every node
+    workdir: str | None = _f(None)  # where node commands run (default: this process's working folder)
+    python: str | None = _f(None)  # interpreter on the nodes (default: this one)
+    ssh_args: list[str] = _empty(list)  # extra ssh options, e.g. [-p, "2222", -i, key]
+    srun_args: list[str] = _empty(list)  # extra srun options
+    sbatch_options: list[str] = _empty(list)  # #SBATCH lines for `cona train --sbatch`
+    probe_timeout_s: float = _f(30.0, _positive)  # how long nodes wait to see each other's probe files
+    hosts: tuple[NodeSpec, ...] = field(default=(), metadata={"yaml": False})  # `ssh`: from `nodes`
 
     @property
     def world(self) -> int:
         return self.nodes * self.procs_per_node
+
+    def to_raw(self) -> dict[str, Any]:
+        raw = dataclasses.asdict(self)
+        hosts = raw.pop("hosts")
+        if hosts:
+            raw["nodes"] = hosts
+        return raw
+
+
+def _node_spec(item: Any, where: str) -> NodeSpec:
+    if isinstance(item, str) and item.strip():
+        return NodeSpec(item.strip())
+    if isinstance(item, dict) and isinstance(item.get("host"), str) and item["host"].strip():
+        extra = set(item) - {"host", "env", "workdir"}
+        if extra:
+            raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown key (known: env, host, workdir)")
+        env = item.get("env") or {}
+        if not _type_ok(env, dict[str, str]):
+            raise ConfigError(f"{where}.env: must be a mapping of names to strings")
+        workdir = item.get("workdir")
+        if workdir is not None and not isinstance(workdir, str):
+            raise ConfigError(f"{where}.workdir: must be a string")
+        return NodeSpec(item["host"].strip(), dict(env), workdir)
+    raise ConfigError(f"{where}: must be a host name or a mapping with host (and env, workdir)")
+
+
+def _build_cluster(raw: Any) -> ClusterConfig:
+    """The cluster section: `nodes` may be a count, a list of hosts or `slurm`."""
+    raw = dict(raw or {}) if isinstance(raw, dict) or raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError("cluster: must be a mapping")
+    nodes = raw.get("nodes", 1)
+    hosts: tuple[NodeSpec, ...] = ()
+    if isinstance(nodes, list):
+        if not nodes:
+            raise ConfigError("cluster.nodes: an empty list (give hosts, a count, or slurm)")
+        hosts = tuple(_node_spec(item, f"cluster.nodes[{i}]") for i, item in enumerate(nodes))
+        addrs = [h.addr for h in hosts]
+        if len(set(addrs)) != len(addrs):
+            raise ConfigError(f"cluster.nodes: {next(a for a in addrs if addrs.count(a) > 1)} is listed twice")
+        raw.setdefault("launcher", "ssh")
+        raw["nodes"] = len(hosts)
+    elif nodes == "slurm":
+        from cona_cli.cluster import SlurmError, allocation_hosts
+
+        raw.setdefault("launcher", "slurm")
+        try:
+            raw["nodes"] = len(allocation_hosts())
+        except SlurmError as e:
+            raise ConfigError(f"cluster.nodes: slurm: {e}") from None
+    elif isinstance(nodes, str):
+        raise ConfigError(f"cluster.nodes: must be a count, a list of hosts, or slurm, got {nodes!r}")
+    cluster = dataclasses.replace(_build_section(ClusterConfig, raw, "cluster"), hosts=hosts)
+    if cluster.launcher == "ssh" and not hosts:
+        raise ConfigError("cluster.nodes: launcher ssh needs a list of hosts")
+    if hosts and cluster.launcher != "ssh":
+        raise ConfigError(f"cluster.nodes: a list of hosts needs launcher ssh (launcher is {cluster.launcher})")
+    return cluster
 
 
 @dataclass(frozen=True)
@@ -173,6 +267,7 @@ class Config:
     def to_raw(self) -> dict[str, Any]:
         """The resolved config as a plain document that `config_from_dict` accepts again."""
         raw: dict[str, Any] = {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
+        raw["cluster"] = self.cluster.to_raw()
         raw["policy"] = self.policy
         if self.strategy is not None or self.auto_strategy:
             raw["strategy"] = str(self.strategy) if self.strategy is not None else "auto"
@@ -193,6 +288,9 @@ POLICIES = ("cona", "static", "chain")
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
+    if get_origin(hint) is dict:
+        key, item = get_args(hint)
+        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, item) for k, v in value.items())
     if get_origin(hint) is list:
         (item,) = get_args(hint)
         return isinstance(value, list) and all(_type_ok(v, item) for v in value)
@@ -212,6 +310,8 @@ def _type_name(hint: Any) -> str:
     args = [a for a in get_args(hint) if a is not type(None)]
     if get_origin(hint) is list:
         return f"a list of {_type_name(args[0])}"
+    if get_origin(hint) is dict:
+        return "a mapping of names to " + ("strings" if args[1] is str else _type_name(args[1]))
     if args:
         return _type_name(args[0])
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
@@ -223,14 +323,14 @@ def _build_section(cls: type, raw: Any, name: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{name}: must be a mapping")
     hints = get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
+    known = {f.name: f for f in dataclasses.fields(cls) if f.metadata.get("yaml", True)}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
     values = {}
     for fname, f in known.items():
         if fname not in raw:
-            if f.default is dataclasses.MISSING:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"{name}.{fname}: required")
             continue
         value = raw[fname]
@@ -294,7 +394,8 @@ def config_from_dict(raw: Any, source: str = "<config>") -> Config:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(_TOP_KEYS))})")
     if "model" not in raw:
         raise ConfigError("model: required")
-    sections = {name: _build_section(cls, raw.get(name), name) for name, cls in _SECTIONS.items()}
+    sections = {name: _build_cluster(raw.get(name)) if cls is ClusterConfig else _build_section(cls, raw.get(name), name)
+                for name, cls in _SECTIONS.items()}
     auto = raw.get("strategy") == "auto"
     strategy = _parse_strategy(raw["strategy"], "strategy") if raw.get("strategy") not in (None, "auto") else None
     chain = parse_chain(raw["chain"]) if raw.get("chain") is not None else None

@@ -14,27 +14,31 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cona_cli import checkpoints
+from cona_cli.cluster import ClusterError, head_address, is_multi_node, rendezvous, resolve_nodes, torchrun_args
 from cona_cli.config import Config
-from cona_cli.failures import parse_failure
+from cona_cli.failures import Failure, failed_host, parse_failure
+from cona_cli.launchers import Agent, make_launcher
 from cona_cli.policy import Policy, Stage
 from cona_cli.runstate import RunState, stage_from_dict, stage_to_dict
+from cona_cli.storage import check_shared
 from cona_cli.strategy import Strategy
 from cona_cli.telemetry import TelemetryServer
 
-INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGTERM
+INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGKILL
+NODE_FAILURE_GRACE_S = 20.0  # for the other nodes to stop after one node failed, before SIGKILL
+KILL_WAIT_S = 10.0  # after SIGKILL, before the local end (an ssh client) is abandoned
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 Prev = tuple[Strategy, dict[str, Any]]  # strategy and outcome of the last launch that ended normally
 
@@ -47,6 +51,9 @@ class NoUsableCheckpoint(RuntimeError):
 class LaunchResult:
     returncode: int
     outcome: dict[str, Any] | None  # what the workers wrote to launches/NNN.json
+    failed: Agent | None  # the node agent whose failure came first (not one that only lost a peer)
+    failure: Failure | None  # what its output says
+    log_path: Path  # that agent's output (else the first node's)
 
 
 class EventLog:
@@ -63,15 +70,15 @@ class EventLog:
         return event
 
 
-def torchrun_command(cfg: Config, run_dir: Path, stage: Stage, launch: int, resume: Path | None) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--tee", "3",
-           f"--nproc-per-node={cfg.cluster.procs_per_node}", "-m", "launch.worker",
-           "--run-dir", str(run_dir), "--strategy", str(stage.strategy), "--launch", str(launch)]
+def worker_args(run_dir: Path, stage: Stage, launch: int, resume: Path | None) -> list[str]:
+    """What torchrun runs on every rank."""
+    args = ["-m", "launch.worker", "--run-dir", str(run_dir.absolute()), "--strategy", str(stage.strategy),
+            "--launch", str(launch)]
     if resume is not None:
-        cmd += ["--resume", str(resume)]
+        args += ["--resume", str(resume.absolute())]
     if stage.stop_step is not None:
-        cmd += ["--stop-step", str(stage.stop_step)]
-    return cmd
+        args += ["--stop-step", str(stage.stop_step)]
+    return args
 
 
 def expected_shapes(cfg: Config, run_dir: Path) -> checkpoints.Shapes:
@@ -82,7 +89,10 @@ def expected_shapes(cfg: Config, run_dir: Path) -> checkpoints.Shapes:
 
 
 def threads_per_proc(cfg: Config) -> int:
-    return cfg.cluster.threads_per_proc or max(1, (os.cpu_count() or 1) // cfg.cluster.procs_per_node)
+    """Intra-op threads per rank: the node's cores shared by its ranks (`local` nodes share one machine)."""
+    c = cfg.cluster
+    procs_here = c.procs_per_node * (c.nodes if c.launcher == "local" else 1)
+    return c.threads_per_proc or max(1, (os.cpu_count() or 1) // procs_here)
 
 
 class Controller:
@@ -96,7 +106,10 @@ class Controller:
         self.state = resume or RunState()
         self.run_start = time.time() - self.state.elapsed_s  # run time continues, the stopped gap excluded
         self.events = EventLog(run_dir / "events.jsonl", self.run_start)
-        self.telemetry = TelemetryServer()
+        self.nodes = resolve_nodes(cfg.cluster)
+        self.multi_node = is_multi_node(cfg.cluster)
+        self.launcher = make_launcher(cfg.cluster)
+        self.telemetry = TelemetryServer(host=head_address(cfg.cluster, self.nodes))
         policy.events = self.events
         self.signal_received: int | None = None
         self.launch = self.state.launch
@@ -112,8 +125,13 @@ class Controller:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         try:
+            if self.multi_node:
+                check_shared(self.launcher, self.nodes, self.run_dir, self.cfg.cluster.probe_timeout_s)
             with self._progress() as progress:
                 return self._run(progress)
+        except ClusterError as e:
+            self.console.print(f"[red]cona: {e}[/red]")
+            return self._exit(1, "failed", self.last_metric.get("step", 0))
         except NoUsableCheckpoint as e:
             self.console.print(f"[red]cona: {e}[/red]")
             return self._exit(1, "failed", self.last_metric.get("step", 0))
@@ -185,14 +203,18 @@ class Controller:
 
     def _may_restart(self, result: LaunchResult, ckpt: Path | None) -> bool:
         """Record a failed launch; whether the restart budget allows another launch."""
-        log_path = self.run_dir / "logs" / f"launch_{self.launch:03d}.log"
+        log_path = result.log_path
         text = log_path.read_text(errors="replace") if log_path.is_file() else ""
-        failure = parse_failure(text, result.returncode)
+        failure = result.failure or parse_failure(text, result.returncode)
+        host = failed_host(result.failed, text) if result.failed is not None else None
         self.events.write("failure", launch=self.launch, exit_code=result.returncode, rank=failure.rank,
                           rank_exit_code=failure.rank_exit_code, exit_codes=failure.exit_codes,
-                          bad_checkpoint=failure.bad_checkpoint, last_lines=failure.last_lines)
+                          bad_checkpoint=failure.bad_checkpoint, last_lines=failure.last_lines,
+                          **({"host": host} if self.multi_node else {}))
         self.console.print("\n".join(failure.last_lines), markup=False, highlight=False)
-        self.console.print(f"[red]cona: launch {self.launch} failed: {failure.describe()}; see {log_path}[/red]")
+        where = f"node {host}: " if self.multi_node and host else ""
+        self.console.print(f"[red]cona: launch {self.launch} failed: {where}{failure.describe()}; "
+                           f"see {log_path}[/red]")
         if failure.bad_checkpoint and ckpt is not None and ckpt.is_dir():
             moved = checkpoints.quarantine(ckpt)
             self._warn(f"checkpoint {ckpt} could not be loaded; skipped (moved to {moved.name})")
@@ -217,55 +239,83 @@ class Controller:
     def _run_launch(self, stage: Stage, resume: Path | None, prev: Prev | None, progress: Progress,
                     reason: str | None) -> tuple[LaunchResult, Stage | None]:
         self.launch += 1
-        cmd = torchrun_command(self.cfg, self.run_dir, stage, self.launch, resume)
         step = checkpoints.checkpoint_step(resume) if resume else 0
         self.events.write("launch", launch=self.launch, strategy=stage.strategy.to_dict(),
                           from_checkpoint=str(resume) if resume else None, step=step, reason=reason or stage.reason)
-        env = {**os.environ, **self.telemetry.env(), "CONA_RUN_START": repr(self.run_start),
+        c = self.cfg.cluster
+        rdzv = rendezvous(c, self.nodes, f"cona-{self.telemetry.token[:8]}-{self.launch}") if self.multi_node else None
+        tail = worker_args(self.run_dir, stage, self.launch, resume)
+        env = {**self.telemetry.env(), "CONA_RUN_START": repr(self.run_start),
                "OMP_NUM_THREADS": str(threads_per_proc(self.cfg)), "PYTHONUNBUFFERED": "1"}
-        log_path = self.run_dir / "logs" / f"launch_{self.launch:03d}.log"
-        log_path.parent.mkdir(exist_ok=True)
         outcome_path = self.run_dir / "launches" / f"{self.launch:03d}.json"
         outcome_path.unlink(missing_ok=True)  # a leftover of a launch the controller never saw
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True, text=True, bufsize=1)
-            self.state.torchrun_pid = proc.pid
-            self._save_state(stage, prev)
-            pump = threading.Thread(target=self._pump, args=(proc.stdout, log), daemon=True)
+        agents = self.launcher.start(self.nodes, lambda node: torchrun_args(c, node, rdzv) + tail, env)
+        self.state.agent_pids = [a.pid for a in agents]
+        self._save_state(stage, prev)
+        pumps = [threading.Thread(target=self._pump, args=(a, self._log_path(a, len(agents) > 1), len(agents) > 1),
+                                  daemon=True) for a in agents]
+        for pump in pumps:
             pump.start()
-            requested = self._follow(proc, stage, prev, progress)
+        requested, failed = self._follow(agents, stage, prev, progress)
+        for pump in pumps:
             pump.join(timeout=5)
         outcome = json.loads(outcome_path.read_text()) if outcome_path.is_file() else None
         self._drain(stage, prev, progress)
         self._save_state(stage, prev)
-        return LaunchResult(proc.returncode, outcome), requested
+        per_node = len(agents) > 1
+        if not failed:
+            return LaunchResult(0, outcome, None, None, self._log_path(agents[0], per_node)), requested
+        reports = [(a, self._log_path(a, per_node)) for a in failed]
+        parsed = [(a, path, parse_failure(path.read_text(errors="replace") if path.is_file() else "", a.poll() or 1))
+                  for a, path in reports]
+        agent, path, failure = next((r for r in parsed if not r[2].knock_on), parsed[0])
+        return LaunchResult(failure.exit_code, outcome, agent, failure, path), requested
 
-    def _pump(self, stream: TextIO, log: TextIO) -> None:
-        for line in stream:
-            log.write(line)
-            log.flush()
-            if self.verbose:
-                self.console.print(line.rstrip(), markup=False, highlight=False)
+    def _log_path(self, agent: Agent, per_node: bool) -> Path:
+        name = f"launch_{self.launch:03d}" + (f".{re.sub(r'[^A-Za-z0-9_.-]', '_', agent.label)}" if per_node else "")
+        return self.run_dir / "logs" / f"{name}.log"
 
-    def _follow(self, proc: subprocess.Popen, stage: Stage, prev: Prev | None, progress: Progress) -> Stage | None:
-        """Wait for the launch to end, handling telemetry, switch requests and signals."""
+    def _pump(self, agent: Agent, log_path: Path, prefixed: bool) -> None:
+        log_path.parent.mkdir(exist_ok=True)
+        with open(log_path, "w") as log:
+            for line in agent.proc.stdout:
+                log.write(line)
+                log.flush()
+                if self.verbose:
+                    text = f"[{agent.label}] {line.rstrip()}" if prefixed else line.rstrip()
+                    self.console.print(text, markup=False, highlight=False)
+
+    def _follow(self, agents: list[Agent], stage: Stage, prev: Prev | None,
+                progress: Progress) -> tuple[Stage | None, list[Agent]]:
+        """Wait for every node's agent to end, handling telemetry, switch requests and signals.
+        Returns the stage requested by the policy and the agents that failed, in the order seen."""
         requested: Stage | None = None
         stop_sent_at: float | None = None
-        while proc.poll() is None:
+        failed: list[Agent] = []
+        killed_at: float | None = None
+        while True:
+            failed += [a for a in agents if a.poll() not in (None, 0) and a not in failed]
+            if all(a.poll() is not None for a in agents):
+                return requested, failed
             switch_to = self._drain(stage, prev, progress, wait=0.2)
             if self._dirty:
                 self._save_state(stage, prev)
             if switch_to is not None and requested is None:
                 requested = switch_to
-            wants_stop = requested is not None or self.signal_received is not None
+            wants_stop = requested is not None or self.signal_received is not None or failed
             if wants_stop and stop_sent_at is None:
-                if not self.telemetry.send({"cmd": "checkpoint_and_exit"}):
-                    os.killpg(proc.pid, signal.SIGTERM)  # no telemetry: workers checkpoint on SIGTERM too
+                if failed or not self.telemetry.send({"cmd": "checkpoint_and_exit"}):
+                    for a in agents:  # no telemetry, or a node is gone: workers checkpoint on SIGTERM if they can
+                        a.signal(signal.SIGTERM)
                 stop_sent_at = time.monotonic()
-            if stop_sent_at is not None and time.monotonic() - stop_sent_at > INTERRUPT_GRACE_S:
-                os.killpg(proc.pid, signal.SIGKILL)
-        return requested
+            grace = NODE_FAILURE_GRACE_S if failed else INTERRUPT_GRACE_S
+            if stop_sent_at is not None and killed_at is None and time.monotonic() - stop_sent_at > grace:
+                for a in agents:
+                    a.signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+            if killed_at is not None and time.monotonic() - killed_at > KILL_WAIT_S:
+                for a in agents:
+                    a.abandon()
 
     def _drain(self, stage: Stage, prev: Prev | None, progress: Progress, wait: float = 0.0) -> Stage | None:
         """Handle queued telemetry messages; returns a stage the policy wants to switch to."""

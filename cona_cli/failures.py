@@ -10,11 +10,17 @@ from __future__ import annotations
 import re
 import signal
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cona_cli.checkpoints import BAD_CHECKPOINT_EXIT
 
+if TYPE_CHECKING:
+    from cona_cli.launchers import Agent
+
 _BLOCK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 _ROOT = "Root Cause (first observed failure)"
+_KNOCK_ON = ("Connection reset by peer", "Connection closed by peer", "Connection refused")  # a peer died
+_SRUN_TASK = re.compile(r"srun: error: (\S+): task \d+: (?!.*Terminated)")
 TAIL = 15
 
 
@@ -25,6 +31,14 @@ class Failure:
     rank_exit_code: int | None = None
     exit_codes: dict[int, int] = field(default_factory=dict)  # every failed rank's exit code
     last_lines: list[str] = field(default_factory=list)  # the root-cause rank's last lines (else the log's)
+
+    @property
+    def knock_on(self) -> bool:
+        """This node only failed because another one did: its first failed rank lost a peer or was
+        stopped by SIGTERM (sent to every node once one fails)."""
+        if self.rank_exit_code == -signal.SIGTERM:
+            return True
+        return self.rank is not None and any(k in line for line in self.last_lines for k in _KNOCK_ON)
 
     @property
     def bad_checkpoint(self) -> bool:
@@ -57,3 +71,11 @@ def parse_failure(log: str, exit_code: int) -> Failure:
         own = [line[len(prefix):] for line in lines if line.startswith(prefix)]
         lines = own or lines
     return Failure(exit_code, root[0] if root else None, root[2] if root else None, codes, lines[-TAIL:])
+
+
+def failed_host(agent: Agent, log: str) -> str:
+    """The node a failed agent stood for; under srun, the first host srun reports a failed task on."""
+    if len(agent.nodes) == 1:
+        return agent.nodes[0].name
+    found = _SRUN_TASK.search(log)
+    return found.group(1) if found else agent.label

@@ -92,7 +92,8 @@ def prepare_resume(run_dir: Path, config: Optional[Path], strategy: Optional[str
     for key in ("train_path", "valid_path"):
         if not Path(corpus[key]).is_file():
             raise ConfigError(f"--resume: corpus file {corpus[key]} is gone (cache cleared?); cannot continue")
-    wait_for_group(state.torchrun_pid, INTERRUPT_GRACE_S)  # an orphaned job may still be checkpointing
+    for pgid in state.agent_pids:  # an orphaned job may still be checkpointing
+        wait_for_group(pgid, INTERRUPT_GRACE_S)
     root = run_dir / "checkpoints"
     usable, skipped = checkpoints.newest_usable(root, expected_shapes(cfg, run_dir),
                                                 lambda m: print(f"cona: warning: {m}", file=sys.stderr))

@@ -49,7 +49,7 @@ class RunState:
     elapsed_s: float = 0.0  # run time when written (time stopped between a kill and --resume excluded)
     failures: list[float] = field(default_factory=list)  # run times of failed launches
     prev: dict[str, Any] | None = None  # {"strategy", "outcome"} of the last launch that ended normally
-    torchrun_pid: int | None = None  # process group of the current (or last) torchrun
+    agent_pids: list[int] = field(default_factory=list)  # process groups of the last launch's node agents
     policy: dict[str, Any] = field(default_factory=dict)
 
     def save(self, run_dir: Path) -> None:

@@ -58,7 +58,7 @@ def last_step(run: Path) -> int:
 def worker_pids(run: Path) -> list[int]:
     """The ranks of the running torchrun job (children of the torchrun process)."""
     state = RunState.load(run)
-    if state is None or state.torchrun_pid is None:
+    if state is None or not state.agent_pids:
         return []
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -66,7 +66,7 @@ def worker_pids(run: Path) -> list[int]:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[1]) == state.torchrun_pid and fields[0] != "Z":
+        if int(fields[1]) == state.agent_pids[0] and fields[0] != "Z":
             pids.append(int(stat.parent.name))
     return pids
 
