@@ -7,7 +7,8 @@ MAPE of the predictions on the rest. Fit-subset rule (never looks at measured ti
 the largest dp, tp and pp first, then greedily the layout farthest (Euclidean, in log2 of dp, tp, pp,
 mbs, gbs) from those already chosen - a maximin space-filling design, so that micro-batch size and
 global batch vary too (they separate per-sample compute from per-micro-batch and per-step costs).
-Usage: .venv/bin/python scripts/bench_costmodel.py [--data PATH] [--fit N]
+Also prints the held-out MAPE over random fit subsets of the same size (mean and worst).
+Usage: .venv/bin/python scripts/bench_costmodel.py [--data PATH] [--fit N] [--cv DRAWS]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from cona_cli.calibration import Calibrator
-from cona_cli.config import load_config
+from cona_cli.config import Config, load_config
 from cona_cli.costmodel import Workload, as_array, iteration_time, load_hardware
 from cona_cli.strategy import Strategy
 
@@ -41,10 +42,31 @@ def choose_fit(order: list[Strategy], n: int) -> list[Strategy]:
     return fit[:n]
 
 
+def held_out_mape(cfg: Config, times: dict[Strategy, list[float]], fit: list[Strategy]) -> tuple[float, Calibrator]:
+    """Fit the cpu-local profile on `fit`; MAPE of the predictions on every other layout."""
+    cal = Calibrator(Workload.from_config(cfg), load_hardware("cpu-local"), seed=cfg.search.seed)
+    for s in fit:
+        for t in times[s]:
+            cal.add(s, t)
+    cal.fit()
+    held = [s for s in sorted(times) if s not in fit]
+    measured = np.array([np.median(times[s]) for s in held])
+    return float(np.mean(np.abs(cal.predict(as_array(held))[0] - measured) / measured)), cal
+
+
+def cross_validate(cfg: Config, times: dict[Strategy, list[float]], n: int, draws: int, seed: int) -> list[float]:
+    """Held-out MAPE over `draws` random fit subsets of n layouts (seeded)."""
+    rng = np.random.default_rng(seed)
+    order = sorted(times)
+    return [held_out_mape(cfg, times, [order[i] for i in rng.choice(len(order), n, replace=False)])[0]
+            for _ in range(draws)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=ROOT / "scripts" / "data" / "layout_times_cpu.json")
     parser.add_argument("--fit", type=int, default=6, help="layouts to fit on (held-out must stay the majority)")
+    parser.add_argument("--cv", type=int, default=20, help="random fit subsets for cross-validation (0: none)")
     args = parser.parse_args()
     if not args.data.is_file():
         print(f"{args.data}: no recorded measurements (run scripts/bench_layouts.py first)")
@@ -66,12 +88,7 @@ def main() -> int:
     if not held:
         print(f"{args.data}: {len(times)} layouts of world {cfg.cluster.world}, need more than --fit {args.fit}")
         return 2
-    hw = load_hardware("cpu-local")
-    cal = Calibrator(Workload.from_config(cfg), hw, seed=cfg.search.seed)
-    for s in fit:
-        for t in times[s]:
-            cal.add(s, t)
-    cal.fit()
+    _, cal = held_out_mape(cfg, times, fit)
     measured = np.array([np.median(times[s]) for s in held])
     predicted, std = cal.predict(as_array(held))
     errors = np.abs(predicted - measured) / measured
@@ -83,6 +100,10 @@ def main() -> int:
     analytic = iteration_time(as_array(held), cal.workload, cal.fitted)
     print(f"MAPE on {len(held)} held-out layouts: {errors.mean():.1%} (target <= 10%); analytic model alone "
           f"{np.mean(np.abs(analytic - measured) / measured):.1%}")
+    if args.cv:
+        cv = cross_validate(cfg, times, args.fit, args.cv, cfg.search.seed)
+        print(f"cross-validation over {args.cv} random fit subsets of {args.fit}: held-out MAPE mean "
+              f"{np.mean(cv):.1%}, worst {np.max(cv):.1%}")
     return 0
 
 
