@@ -125,7 +125,7 @@ class ClusterConfig:
         raw = dataclasses.asdict(self)
         hosts = raw.pop("hosts")
         if hosts:
-            raw["nodes"] = hosts
+            raw["nodes"] = list(hosts)
         return raw
 
 

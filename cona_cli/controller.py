@@ -109,7 +109,12 @@ class Controller:
         self.nodes = resolve_nodes(cfg.cluster)
         self.multi_node = is_multi_node(cfg.cluster)
         self.launcher = make_launcher(cfg.cluster)
-        self.telemetry = TelemetryServer(host=head_address(cfg.cluster, self.nodes))
+        host = head_address(cfg.cluster, self.nodes)
+        try:
+            self.telemetry = TelemetryServer(host=host)
+        except OSError as e:
+            raise ClusterError(f"cluster.head_addr: cannot listen on {host} ({e.strerror or e}); give this "
+                               "machine's address on the cluster network") from None
         policy.events = self.events
         self.signal_received: int | None = None
         self.launch = self.state.launch

@@ -13,11 +13,13 @@ import shutil
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from cona_cli.cluster import ClusterError, Node
-from cona_cli.launchers import Launcher
+from cona_cli.launchers import Agent, Launcher
 
+PROBE_FAILED = 1  # launch.storage_probe's verdict "cannot see"
 EXTRA_WAIT_S = 60.0  # on top of the probe timeout, for ssh connections and interpreter start-up
 
 
@@ -33,24 +35,54 @@ def check_shared(launcher: Launcher, nodes: list[Node], run_dir: Path, timeout_s
         return [python, "-m", "launch.storage_probe", str(folder), index, str(len(nodes)), f"{timeout_s:g}"]
 
     agents = launcher.start(nodes, argv_for, {})
-    timer = threading.Timer(timeout_s + EXTRA_WAIT_S, lambda: [a.abandon() for a in agents])
-    timer.start()
     try:
-        outputs = [a.proc.stdout.read() if a.proc.stdout else "" for a in agents]
-        codes = [a.proc.wait() for a in agents]
-    finally:
-        timer.cancel()
-        for a in agents:
-            if a.proc.stdin:
-                a.proc.stdin.close()
-    try:
-        for agent, code, out in zip(agents, codes, outputs):
-            if code != 0:
-                lines = [line for line in out.splitlines() if line.strip()]
-                said = lines[-1].strip() if lines else f"exit status {code}"
-                raise ClusterError(f"cluster: node {agent.label} failed the shared-storage check of {run_dir}: {said}")
+        outputs, stopped = _wait(agents, timeout_s + EXTRA_WAIT_S)
+        failed = [(a, _last_line(out, a.poll())) for i, (a, out) in enumerate(zip(agents, outputs))
+                  if a.poll() != 0 and i not in stopped]
+        if not failed and stopped:
+            raise ClusterError(f"cluster: the shared-storage check of {run_dir} did not finish within "
+                               f"{timeout_s + EXTRA_WAIT_S:g} s (node {agents[min(stopped)].label})")
+        if failed:
+            agent, said = min(failed, key=lambda f: _blame_order(f[1]))
+            raise ClusterError(f"cluster: node {agent.label} failed the shared-storage check of {run_dir}: {said}")
         unseen = sorted({f"node_{n.index}" for n in nodes} - set(os.listdir(folder)))
         if unseen:
             raise ClusterError(f"cluster: {run_dir} is not shared: this machine cannot see {', '.join(unseen)}")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait(agents: list[Agent], deadline_s: float) -> tuple[list[str], set[int]]:
+    """Every agent's output once all have ended, and the indices of those stopped here: once one fails
+    without a probe verdict (e.g. ssh could not connect), or time runs out, the rest are stopped."""
+    outputs: list[list[str]] = [[] for _ in agents]
+    readers = [threading.Thread(target=lambda a=a, out=out: out.extend(a.proc.stdout or ()), daemon=True)
+               for a, out in zip(agents, outputs)]
+    for r in readers:
+        r.start()
+    stopped: set[int] = set()
+    end = time.monotonic() + deadline_s
+    while any(a.poll() is None for a in agents):
+        if any(a.poll() not in (None, 0, PROBE_FAILED) for a in agents) or time.monotonic() > end:
+            stopped |= {i for i, a in enumerate(agents) if a.poll() is None}
+            for i in stopped:
+                agents[i].abandon()
+        time.sleep(0.1)
+    for r, a in zip(readers, agents):
+        r.join(timeout=5)
+        if a.proc.stdin:
+            a.proc.stdin.close()
+    return ["".join(out) for out in outputs], stopped
+
+
+def _last_line(output: str, code: int | None) -> str:
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit status {code}"
+
+
+def _blame_order(said: str) -> int:
+    """Which failure names the culprit: a node that could not run the probe (unreachable), then one
+    that cannot see the controller's file, then one that only misses another node's."""
+    if "storage probe:" not in said:
+        return 0
+    return 1 if "controller" in said.split("cannot see", 1)[-1] else 2

@@ -12,10 +12,12 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from cona_cli.cluster import ClusterError, SlurmError
 from cona_cli.config import Config, ConfigError, config_from_dict, load_config, parse_chain, read_yaml
 from cona_cli.controller import Controller
 from cona_cli.policy import ChainPolicy, Policy, StaticPolicy
 from cona_cli.runstate import lock
+from cona_cli.sbatch import sbatch_script
 from cona_cli.strategy import Strategy, StrategyError
 
 err = Console(stderr=True, soft_wrap=True)
@@ -91,8 +93,11 @@ def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(config, run_dir / "config.yaml")
     (run_dir / "config.resolved.json").write_text(json.dumps(cfg.to_raw(), indent=1))
+    data = cfg.data
+    if cfg.cluster.launcher != "local" and data.cache_dir is None:  # the nodes read tokens from shared storage
+        data = dataclasses.replace(data, cache_dir=str(run_dir.absolute() / "data"))
     try:
-        corpus = prepare_corpus(cfg.data, seed=cfg.train.seed)
+        corpus = prepare_corpus(data, seed=cfg.train.seed)
     except DataError as e:
         raise ConfigError(str(e)) from None
     (run_dir / "corpus.json").write_text(corpus.to_json())
@@ -108,12 +113,19 @@ def train_command(
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue this run folder from its newest "
                                           "checkpoint, with its own config (CONFIG and flags must agree)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the workers' output."),
+    sbatch: Optional[Path] = typer.Option(None, "--sbatch", help="Write a Slurm batch script that runs this "
+                                          "training (launcher slurm) to this file instead of training now."),
 ) -> None:
     """Train under a fixed strategy or a chain of strategies, switching by checkpoint + relaunch."""
     if strategy is not None and chain is not None:
         raise _fail("--strategy and --chain: give one of them")
     state = None
     try:
+        if sbatch is not None:
+            if config is None or resume is not None:
+                raise ConfigError("--sbatch: give a CONFIG (and no --resume)")
+            write_sbatch(sbatch, config, run_dir, strategy, chain, max_steps, data)
+            return
         if resume is not None:
             from cona_cli.resume import prepare_resume
 
@@ -128,7 +140,26 @@ def train_command(
             run_dir = run_dir or Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
             prepare_run_dir(run_dir, config, cfg)
             lock(run_dir)
+        controller = Controller(cfg, run_dir, policy, console=err, verbose=verbose, resume=state)
     except ConfigError as e:
         raise _fail(str(e)) from None
-    code = Controller(cfg, run_dir, policy, console=err, verbose=verbose, resume=state).run()
-    raise typer.Exit(code)
+    except (ClusterError, SlurmError) as e:
+        raise _fail(str(e), 1) from None
+    raise typer.Exit(controller.run())
+
+
+def write_sbatch(path: Path, config: Path, run_dir: Optional[Path], strategy: Optional[str],
+                 chain: Optional[Path], max_steps: Optional[int], data: Optional[Path]) -> None:
+    """Validate the config and write the batch script (the run folder is made now, for Slurm's log)."""
+    cfg = resolve_config(config, strategy, chain, max_steps, data)
+    run_dir = (run_dir or Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    argv = [str(config.absolute()), "--run-dir", str(run_dir)]
+    for flag, value in (("--strategy", strategy), ("--chain", chain and chain.absolute()),
+                        ("--max-steps", max_steps), ("--data", data and data.absolute())):
+        if value is not None:
+            argv += [flag, str(value)]
+    text = sbatch_script(cfg, argv, run_dir, Path.cwd())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    typer.echo(f"cona: wrote {path}; submit it with: sbatch {path}")

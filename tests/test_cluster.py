@@ -1,0 +1,206 @@
+"""Multi-node pieces without a cluster: the `cluster` section, Slurm host lists, the torchrun, ssh and
+srun command lines, the sbatch script, and which node a failure is blamed on."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cona_cli.app import app
+from cona_cli.cluster import (ClusterError, Node, Rendezvous, SlurmError, allocation_hosts, expand_nodelist,
+                              rendezvous, resolve_nodes, torchrun_args)
+from cona_cli.config import ConfigError, config_from_dict
+from cona_cli.failures import failed_host, parse_failure
+from cona_cli.launchers import Agent, LocalLauncher, SlurmLauncher, SshLauncher
+from cona_cli.sbatch import sbatch_script
+from cona_cli.storage import check_shared
+from tests.support import REPO, TINY, write_config
+
+
+def _cfg(cluster: dict):
+    doc = copy.deepcopy(TINY)
+    doc["cluster"] = cluster
+    doc["strategy"] = "dp4-tp1-pp1-mbs2-gbs16"
+    return config_from_dict(doc)
+
+
+def test_nodes_as_host_list_means_ssh_and_round_trips() -> None:
+    cfg = _cfg({"nodes": ["10.0.0.1", {"host": "me@10.0.0.2", "env": {"GLOO_SOCKET_IFNAME": "eth1"},
+                                       "workdir": "/shared/cona"}], "procs_per_node": 2})
+    c = cfg.cluster
+    assert (c.nodes, c.launcher, c.world) == (2, "ssh", 4)
+    assert [h.addr for h in c.hosts] == ["10.0.0.1", "10.0.0.2"]
+    again = config_from_dict(json.loads(json.dumps(cfg.to_raw())))
+    assert again.cluster == c
+    nodes = resolve_nodes(c)
+    assert [(n.index, n.name, n.addr) for n in nodes] == [(0, "10.0.0.1", "10.0.0.1"), (1, "me@10.0.0.2", "10.0.0.2")]
+    assert nodes[1].env == {"GLOO_SOCKET_IFNAME": "eth1"} and nodes[1].workdir == "/shared/cona"
+    assert nodes[0].workdir == os.getcwd()
+
+
+@pytest.mark.parametrize("cluster, message", [
+    ({"nodes": "many"}, "cluster.nodes: must be a count, a list of hosts, or slurm"),
+    ({"nodes": []}, "cluster.nodes: an empty list"),
+    ({"nodes": ["a", "root@a"], "procs_per_node": 2}, "cluster.nodes: a is listed twice"),
+    ({"nodes": [{"host": "a", "gpus": 8}, "b"], "procs_per_node": 2}, "cluster.nodes[0].gpus: unknown key"),
+    ({"nodes": [{"host": "a", "env": {"X": 1}}, "b"], "procs_per_node": 2}, "cluster.nodes[0].env: must be a mapping"),
+    ({"nodes": ["a", "b"], "procs_per_node": 2, "launcher": "local"}, "a list of hosts needs launcher ssh"),
+    ({"nodes": 2, "procs_per_node": 2, "launcher": "ssh"}, "launcher ssh needs a list of hosts"),
+    ({"nodes": 2, "procs_per_node": 2, "launcher": "mpirun"}, "cluster.launcher: must be one of local, ssh, slurm"),
+    ({"nodes": 2, "procs_per_node": 2, "env": {"X": 3}}, "cluster.env: must be a mapping of names to strings"),
+    ({"nodes": 2, "procs_per_node": 2, "ssh_args": "-p 22"}, "cluster.ssh_args: must be a list of a string"),
+])
+def test_bad_cluster_sections_name_the_key(cluster: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        _cfg(cluster)
+
+
+def test_slurm_nodelists_expand_like_scontrol() -> None:
+    assert expand_nodelist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
+    assert expand_nodelist("r[1-2]n[8-9]") == ["r1n8", "r1n9", "r2n8", "r2n9"]
+    assert expand_nodelist("node[098-100]-ib,x1") == ["node098-ib", "node099-ib", "node100-ib", "x1"]
+    with pytest.raises(SlurmError, match="cannot read node range"):
+        expand_nodelist("gpu[a-b]")
+    with pytest.raises(SlurmError, match="SLURM_JOB_NODELIST is not set"):
+        allocation_hosts({})
+
+
+def test_nodes_slurm_takes_the_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[1-2]")
+    cfg = _cfg({"nodes": "slurm", "procs_per_node": 2})
+    assert (cfg.cluster.nodes, cfg.cluster.launcher) == (2, "slurm")
+    assert [n.name for n in resolve_nodes(cfg.cluster)] == ["gpu1", "gpu2"]
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[1-4]")
+    with pytest.raises(SlurmError, match=r"the allocation has 4 nodes .* cluster.nodes is 2"):
+        resolve_nodes(cfg.cluster)
+    monkeypatch.delenv("SLURM_JOB_NODELIST")
+    with pytest.raises(ConfigError, match="cluster.nodes: slurm: not inside a Slurm allocation"):
+        _cfg({"nodes": "slurm", "procs_per_node": 2})
+
+
+def test_local_nodes_meet_in_a_c10d_rendezvous_hosted_by_node_0() -> None:
+    c = _cfg({"nodes": 2, "procs_per_node": 2}).cluster
+    nodes = resolve_nodes(c)
+    rdzv = rendezvous(c, nodes, "cona-abc-3")
+    host, port = rdzv.endpoint.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0 and rdzv.host_node == 0
+    argv = [torchrun_args(c, n, rdzv) for n in nodes]
+    for i, a in enumerate(argv):
+        assert a[:3] == [sys.executable, "-m", "torch.distributed.run"]
+        assert {"--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}",
+                "--rdzv-id=cona-abc-3", "--max-restarts=0", "--local-addr=127.0.0.1",
+                f"--rdzv-conf=is_host={int(i == 0)}"} <= set(a)
+        assert "--standalone" not in a
+    single = _cfg({"nodes": 1, "procs_per_node": 4}).cluster
+    assert "--standalone" in torchrun_args(single, None, None)
+
+
+def test_explicit_rendezvous_endpoint_is_kept() -> None:
+    c = _cfg({"nodes": ["10.0.0.1", "10.0.0.2"], "procs_per_node": 2, "rdzv_endpoint": "10.0.0.2"}).cluster
+    rdzv = rendezvous(c, resolve_nodes(c), "r")
+    assert rdzv.endpoint == "10.0.0.2:29400" and rdzv.host_node == 1
+
+
+def test_ssh_command_runs_the_node_agent_and_sends_the_environment_on_stdin() -> None:
+    c = _cfg({"nodes": ["alice@10.0.0.1", "10.0.0.2"], "procs_per_node": 2, "ssh_args": ["-p", "2222"],
+              "env": {"NCCL_DEBUG": "WARN"}, "python": "/opt/venv/bin/python"}).cluster
+    node = Node(0, "alice@10.0.0.1", "10.0.0.1", {"GLOO_SOCKET_IFNAME": "ib0"}, "/shared/my project")
+    ssh = SshLauncher(c)
+    cmd = ssh.command(node)
+    assert cmd[:4] == ["ssh", "-T", "-o", "BatchMode=yes"] and cmd[4:7] == ["-p", "2222", "alice@10.0.0.1"]
+    assert shlex.split(cmd[7]) == ["cd", "/shared/my project", "&&", "exec", "/opt/venv/bin/python", "-m",
+                                   "launch.node_agent"]
+    env = ssh.remote_env(node, {"CONA_TELEMETRY_TOKEN": "secret"})
+    assert env["NCCL_DEBUG"] == "WARN" and env["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert env["CONA_TELEMETRY_TOKEN"] == "secret" and "secret" not in " ".join(cmd)
+
+
+def test_srun_command_starts_one_agent_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[1-2]")
+    c = _cfg({"nodes": "slurm", "procs_per_node": 2, "srun_args": ["--cpu-bind=none"]}).cluster
+    nodes = resolve_nodes(c)
+    assert SlurmLauncher(c).command(nodes) == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
+                                               "--kill-on-bad-exit=1", "--label", "--cpu-bind=none"]
+    line = torchrun_args(c, None, Rendezvous("gpu1:29500", "r", None))  # one line for every node
+    assert "--rdzv-endpoint=gpu1:29500" in line and not any(a.startswith(("--local-addr", "--rdzv-conf")) for a in line)
+
+
+def test_sbatch_script(tmp_path: Path) -> None:
+    doc = copy.deepcopy(TINY)
+    doc["cluster"] = {"nodes": 2, "procs_per_node": 8, "launcher": "slurm", "backend": "nccl",
+                      "sbatch_options": ["--time=24:00:00", "--gpus-per-node=8"]}
+    doc.pop("strategy")
+    cfg_path = write_config(tmp_path / "c.yaml", doc)
+    script = tmp_path / "job.sh"
+    run = tmp_path / "runs" / "r1"
+    result = CliRunner().invoke(app, ["train", str(cfg_path), "--sbatch", str(script), "--run-dir", str(run),
+                                      "--max-steps", "50"])
+    assert result.exit_code == 0, result.output
+    text = script.read_text()
+    assert text.startswith("#!/bin/bash\n") and os.access(script, os.X_OK)
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={run}/slurm-%j.out",
+                 "#SBATCH --time=24:00:00", "#SBATCH --gpus-per-node=8"):
+        assert line in text.splitlines()
+    last = shlex.split(text.splitlines()[-1])
+    assert last[:5] == ["exec", sys.executable, "-m", "cona_cli", "train"]
+    assert last[5:] == [str(cfg_path), "--run-dir", str(run), "--max-steps", "50"]
+    assert run.is_dir()  # Slurm writes its log there from the first second
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    local = config_from_dict({**doc, "cluster": {"nodes": 2, "procs_per_node": 2}})
+    with pytest.raises(ConfigError, match="--sbatch: cluster.launcher is local"):
+        sbatch_script(local, [], run, tmp_path)
+
+
+def test_python_m_cona_cli_is_the_cli() -> None:
+    out = subprocess.run([sys.executable, "-m", "cona_cli", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0 and "train" in out.stdout
+
+
+SRUN_LOG = """\
+1: [rank3]: RuntimeError: CUDA error: an illegal memory access was encountered
+srun: error: gpu7: task 1: Exited with exit code 1
+srun: error: gpu6: task 0: Terminated
+"""
+
+
+def test_failure_blame() -> None:
+    agent = Agent("srun", [Node(0, "gpu6", "gpu6"), Node(1, "gpu7", "gpu7")], proc=None)  # type: ignore[arg-type]
+    assert failed_host(agent, SRUN_LOG) == "gpu7"
+    assert failed_host(Agent("b", [Node(1, "b", "b")], proc=None), "") == "b"  # type: ignore[arg-type]
+    root = ("Root Cause (first observed failure):\n[0]:\n  time : x\n  host : h\n  rank      : 0 (local_rank: 0)\n"
+            "  exitcode  : 1 (pid: 5)\n")
+    lost_peer = parse_failure("[default0]:[rank0]: RuntimeError: Read error: Connection reset by peer\n" + root, 1)
+    assert lost_peer.knock_on
+    own = parse_failure("[default0]:[rank0]: ValueError: loss is nan\n" + root, 1)
+    assert not own.knock_on and own.rank == 0
+    unreachable = parse_failure("ssh: connect to host 10.0.0.9 port 22: Connection refused\n", 255)
+    assert not unreachable.knock_on and unreachable.rank is None
+
+
+def test_storage_probe_passes_on_shared_storage_and_names_what_is_missing(tmp_path: Path) -> None:
+    c = _cfg({"nodes": 2, "procs_per_node": 2, "workdir": str(REPO)}).cluster
+    nodes = resolve_nodes(c)
+    check_shared(LocalLauncher(c), nodes, tmp_path, timeout_s=10)
+    assert list((tmp_path / ".probe").iterdir()) == []  # cleaned up
+
+
+class AllButTheLast(LocalLauncher):
+    """Every node but the last runs the probe (the last never writes its file)."""
+
+    def start(self, nodes, argv_for, env):  # type: ignore[no-untyped-def]
+        return super().start(nodes[:-1], argv_for, env)
+
+
+def test_storage_probe_names_the_file_a_node_cannot_see(tmp_path: Path) -> None:
+    c = _cfg({"nodes": 4, "procs_per_node": 1, "workdir": str(REPO)}).cluster
+    with pytest.raises(ClusterError, match=r"node node0 failed the shared-storage check of .*: storage probe: "
+                                           r"node 0 \(.*\) cannot see node_3 in"):
+        check_shared(AllButTheLast(c), resolve_nodes(c), tmp_path, timeout_s=1)
