@@ -56,18 +56,15 @@ def start_sshd(folder: Path, addrs: tuple[str, ...] = ("127.0.0.1", "127.0.0.2")
                                  "PermitRootLogin prohibit-password", "StrictModes no", "UsePAM no",
                                  f"PidFile {folder / 'sshd.pid'}", "LogLevel ERROR", ""]))
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # privilege separation folder
+    (folder / "sshd.pid").unlink(missing_ok=True)
     proc = subprocess.Popen([*(wrap or []), binary, "-D", "-e", "-f", str(config)],
                             stdout=subprocess.DEVNULL, stderr=open(folder / "sshd.log", "w"))
     deadline = time.monotonic() + 15
-    while True:
-        try:
-            socket.create_connection((addrs[0], port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"sshd did not start: {(folder / 'sshd.log').read_text()[-500:]}") from None
-            time.sleep(0.1)
+    while not (folder / "sshd.pid").exists():  # written once it listens (works inside a namespace too)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"sshd did not start: {(folder / 'sshd.log').read_text()[-500:]}")
+        time.sleep(0.1)
     args = ["-p", str(port), "-i", str(user_key), "-o", "StrictHostKeyChecking=no",
             "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
     return Sshd(proc, port, args)

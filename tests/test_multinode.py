@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import netns
 from tests.sshd import Sshd, sshd_binary, start_sshd
 from tests.support import REPO, TINY, write_config
 
@@ -32,9 +33,11 @@ def _doc(cluster: dict) -> dict:
     return doc
 
 
-def _train(tmp: Path, cluster: dict, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _train(tmp: Path, cluster: dict, env: dict[str, str] | None = None,
+           wrap: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`cona train` of the chain on `cluster`; `wrap` prefixes the command (run it in a namespace)."""
     cfg = write_config(tmp / "cfg.yaml", _doc(cluster))
-    cmd = [sys.executable, "-m", "cona_cli", "train", str(cfg), "--run-dir", str(tmp / "run")]
+    cmd = [*(wrap or []), sys.executable, "-m", "cona_cli", "train", str(cfg), "--run-dir", str(tmp / "run")]
     return subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, timeout=300, env={**os.environ, **(env or {})})
 
 
@@ -135,3 +138,26 @@ def test_node_that_cannot_see_the_run_folder_is_refused(tmp_path: Path, sshd: Ss
     (line,) = [line for line in out.stderr.splitlines() if "shared-storage check" in line]
     assert "node 127.0.0.3 failed the shared-storage check" in line
     assert "cannot see controller, node_0" in line
+
+
+@pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+def test_two_hosts_in_network_namespaces(tmp_path: Path, reference: dict[int, float]) -> None:
+    """Each node its own network stack and address, joined by a veth pair; an sshd in each; the
+    controller on the first; gloo told which interface to use through each node's env."""
+    if sshd_binary() is None:
+        pytest.skip("OpenSSH server not installed (.ci/run installs Debian's openssh-server)")
+    with netns.two_hosts() as (a, b):
+        first = start_sshd(tmp_path / "sshd-a", addrs=(a.addr,), wrap=a.run([]))
+        key = Path(first.ssh_args[first.ssh_args.index("-i") + 1])
+        second = start_sshd(tmp_path / "sshd-b", addrs=(b.addr,), port=first.port, wrap=b.run([]), user_key=key)
+        try:
+            nodes = [{"host": h.addr, "env": {"GLOO_SOCKET_IFNAME": h.ifname}} for h in (a, b)]
+            out = _train(tmp_path, {"nodes": nodes, "procs_per_node": 2, "ssh_args": first.ssh_args},
+                         wrap=a.run([]))
+        finally:
+            first.stop()
+            second.stop()
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "run"
+    _assert_same_training(run, reference)
+    assert (run / "logs" / f"launch_002.{b.addr}.log").is_file()
