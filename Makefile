@@ -2,7 +2,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup sshd demo test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -17,7 +17,14 @@ demo: setup
 	$(BIN)/cona train configs/tiny.yaml --chain configs/tiny-chain.yaml --run-dir runs/demo
 	$(BIN)/cona report runs/demo
 
-test: setup
+# The ssh launcher's tests talk to a real sshd on loopback: as root, install Debian's openssh-server
+# if it is missing (elsewhere those tests skip, saying why).
+sshd:
+	@command -v sshd >/dev/null || test -x /usr/sbin/sshd || [ "$$(id -u)" != 0 ] || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    openssh-server >/dev/null; }
+
+test: setup sshd
 	$(BIN)/pytest -q
 
 # Unit tests only (no torchrun jobs).

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from cona_cli.app import app
 from cona_cli.cluster import (ClusterError, Node, Rendezvous, SlurmError, allocation_hosts, expand_nodelist,
                               rendezvous, resolve_nodes, torchrun_args)
-from cona_cli.config import ConfigError, config_from_dict
+from cona_cli.config import ConfigError, config_from_dict, load_config
 from cona_cli.failures import failed_host, parse_failure
 from cona_cli.launchers import Agent, LocalLauncher, SlurmLauncher, SshLauncher
 from cona_cli.sbatch import sbatch_script
@@ -204,3 +204,17 @@ def test_storage_probe_names_the_file_a_node_cannot_see(tmp_path: Path) -> None:
     with pytest.raises(ClusterError, match=r"node node0 failed the shared-storage check of .*: storage probe: "
                                            r"node 0 \(.*\) cannot see node_3 in"):
         check_shared(AllButTheLast(c), resolve_nodes(c), tmp_path, timeout_s=1)
+
+
+def test_shipped_cluster_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ssh = load_config(REPO / "configs" / "cluster-ssh-a6000.yaml").cluster
+    assert (ssh.launcher, ssh.world, [h.addr for h in ssh.hosts]) == ("ssh", 16, ["gpu-node-01", "gpu-node-02"])
+    assert ssh.hosts[1].env == {"NCCL_SOCKET_IFNAME": "ens1f0"}
+    local = load_config(REPO / "configs" / "tiny-2node.yaml").cluster
+    assert (local.launcher, local.nodes, local.world) == ("local", 2, 4)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["train", str(REPO / "configs" / "cluster-slurm-a6000.yaml"), "--sbatch",
+                                      "job.sh", "--run-dir", "runs/gpt3", "--max-steps", "1000"])
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "job.sh").read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=8" in text
