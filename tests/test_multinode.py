@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,7 +96,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Sshd:
 
 
 def _node_processes(run: Path) -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout  # -ww: never cut lines
     return [line for line in ps.splitlines() if str(run) in line]
 
 
@@ -106,6 +107,32 @@ def test_two_ssh_nodes_switch_and_match_one_node(tmp_path: Path, sshd: Sshd, ref
     _assert_same_training(run, reference)
     assert (run / "logs" / "launch_002.127.0.0.2.log").is_file()
     assert _node_processes(run) == []
+
+
+def test_killed_controller_stops_the_ssh_nodes_which_checkpoint_first(tmp_path: Path, sshd: Sshd) -> None:
+    """SIGKILL leaves the controller no chance to stop anything: ssh's stdin closes, and each node's
+    agent stops its job with SIGTERM, on which the workers checkpoint."""
+    doc = _doc({"nodes": ["127.0.0.1", "127.0.0.2"], "procs_per_node": 2, "ssh_args": sshd.ssh_args})
+    doc.pop("chain")
+    doc["strategy"] = "dp2-tp1-pp2-mbs2-gbs16"  # one stage: no checkpoint before the kill
+    doc["train"]["max_steps"] = 10_000
+    cfg = write_config(tmp_path / "cfg.yaml", doc)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "cona_cli", "train", str(cfg), "--run-dir", str(run)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").is_file() or len(_losses(run)) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while _node_processes(run):
+        assert time.monotonic() < deadline, _node_processes(run)
+        time.sleep(0.5)
+    committed = [p for p in (run / "checkpoints").glob("step_*") if (p / "COMMITTED").exists()]
+    assert committed, "the workers did not checkpoint on SIGTERM"
+    assert all(p.name != "step_000000" for p in committed)
 
 
 def test_unreachable_ssh_node_is_refused_in_one_line(tmp_path: Path, sshd: Sshd) -> None:
