@@ -22,8 +22,7 @@ from cona_cli.costmodel import HardwareProfile, Workload, as_array, iteration_ti
 from cona_cli.strategy import Strategy
 
 FREE_PARAMS = ("mfu_max", "eff_half_gflop", "intra_bw_gbs", "intra_latency_us", "inter_bw_gbs", "overlap",
-               "step_overhead_ms", "layer_overhead_us", "tp_overhead_us", "microbatch_overhead_us",
-               "tp_batch_overhead_us")
+               "step_overhead_ms", "layer_overhead_us", "tp_overhead_us", "microbatch_overhead_us")
 _UPPER = {"mfu_max": 1.0, "overlap": 1.0}  # fractions; every other parameter may move 100x either way
 _FLOOR = 1e-6                              # parameters are fitted in log space, so never exactly 0
 MEASUREMENT_NOISE = 0.05  # relative noise of one median step time

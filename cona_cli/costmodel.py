@@ -12,8 +12,6 @@ Each stage's time per micro-batch is split into host work and waiting (AdaptDL-s
     work  = layers/pp * (compute + layer overhead + TP dispatch) + output head + micro-batch overhead
     wait  = layers/pp * TP all-reduces + head TP collectives + PP send/recv
 
-On hosts with `tp_batch_overhead_us` set, each TP layer's host work per micro-batch also grows with
-the replica's step batch gbs / dp (see `tp_batch_overhead_s`).
 Compute is FLOPs / (peak * efficiency), efficiency = mfu_max * f / (f + f_half) growing with the work f
 per layer and micro-batch on one device (so with mbs, and shrinking with tp). On GPUs the pipeline
 takes (m + pp - 1) * (work + wait). On CPUs whose processes outnumber the cores (contention
@@ -61,7 +59,6 @@ class HardwareProfile:
     reserved_gib: float            # runtime/context memory per process
     cores_per_node: int | None = None  # CPUs: processes of a node share its cores and memory
     microbatch_overhead_us: float = 0.0  # fixed host cost per micro-batch and stage (schedule, loss, autograd start)
-    tp_batch_overhead_us: float = 0.0  # host cost per TP layer, micro-batch, extra TP rank and sample of the replica's step batch
 
     def device_flops(self, precision: str, procs_per_node: int) -> float:
         """FLOP/s one process can reach at 100% efficiency."""
@@ -197,13 +194,6 @@ def tp_collectives_per_layer(recompute: bool) -> float:
     return 6.0 if recompute else 4.0
 
 
-def tp_batch_overhead_s(dp: np.ndarray, tp: np.ndarray, gbs: np.ndarray, hw: HardwareProfile) -> np.ndarray:
-    """Host seconds per TP layer and micro-batch that grow with the replica's step batch gbs / dp and
-    with the extra TP ranks (tp - 1): on the CPU host, per-micro-batch TP cost rises with the number of
-    micro-batches per step at a fixed micro-batch size. Empirical term (cause not isolated); 0 on GPUs."""
-    return hw.tp_batch_overhead_us * 1e-6 * (tp - 1) * gbs / dp
-
-
 def iteration_time(x: np.ndarray, w: Workload, hw: HardwareProfile) -> np.ndarray:
     """Predicted seconds per training step for each row of x = (dp, tp, pp, mbs, gbs)."""
     dp, tp, pp, mbs, gbs = (x[:, i].astype(np.float64) for i in range(5))
@@ -229,7 +219,6 @@ def iteration_time(x: np.ndarray, w: Workload, hw: HardwareProfile) -> np.ndarra
     # Host work, in seconds of a process that has a core to itself (compute_s already divides the
     # node's FLOP/s among its processes, so compute is not slowed again by the contention below).
     host_layer = (hw.layer_overhead_us + np.where(tp > 1, hw.tp_overhead_us, 0.0)) * 1e-6  # eager dispatch
-    host_layer = host_layer + tp_batch_overhead_s(dp, tp, gbs, hw)
     layer_work = passes * layer_fwd / contention + host_layer
     layer_wait = tp_collectives_per_layer(w.recompute) * tp_ar
     # Vocab-parallel ends: the embedding's output all-reduce (forward) on the first stage; the output

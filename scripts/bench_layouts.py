@@ -5,7 +5,10 @@ sizes, torchrun start-up time (launch to first step), DCP save/load seconds and 
 of cona's (1,1,1) step time to a minimal plain-PyTorch loop of the same model and batch.
 Writes the measurements to scripts/data/layout_times_cpu.json (the cost model's calibration data).
 
-    python scripts/bench_layouts.py [--config configs/tiny.yaml] [--gbs 16,64] [--steps 5]
+    python scripts/bench_layouts.py [--config configs/tiny.yaml] [--gbs 16,64] [--steps 3] [--rounds 3]
+
+Run it on a quiet machine: every layout is timed in several rounds of a shuffled order, and the
+median of all its timed steps is recorded.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ from cona_cli.strategy import Strategy  # noqa: E402
 from cona_cli.train_cli import prepare_run_dir, resolve_config  # noqa: E402
 
 
-def measure_layouts(run_dir: Path, world: int, gbs: str, steps: int) -> dict:
+def measure_layouts(run_dir: Path, world: int, gbs: str, steps: int, rounds: int) -> dict:
     out = run_dir / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(REPO / "scripts" / "bench_layouts_ranks.py"), str(run_dir), str(out), gbs, str(steps)]
+           str(REPO / "scripts" / "bench_layouts_ranks.py"), str(run_dir), str(out), gbs, str(steps), str(rounds)]
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     return json.loads(out.read_text())
 
@@ -91,7 +94,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "tiny.yaml")
     ap.add_argument("--gbs", default="16,64")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout and round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all layouts, each in a new random order")
     ap.add_argument("--out", type=Path, default=REPO / "scripts" / "data" / "layout_times_cpu.json")
     args = ap.parse_args()
     cfg = resolve_config(args.config, None, None, None)
@@ -99,7 +103,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         prepare_run_dir(run_dir, args.config, cfg)
-        res = measure_layouts(run_dir, world, args.gbs, args.steps)
+        res = measure_layouts(run_dir, world, args.gbs, args.steps, args.rounds)
         rows = [{k: r[k] for k in ("dp", "tp", "pp", "mbs", "gbs", "iter_s")} for r in res["rows"]]
         args.out.parent.mkdir(exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))
@@ -109,7 +113,8 @@ def main() -> None:
 
     seq = cfg.model.seq_len
     print(f"config {args.config.name}: world {world}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
-          f"seq {seq}; {args.steps} timed steps per layout (median), OMP_NUM_THREADS=1 per rank")
+          f"seq {seq}; {args.rounds} shuffled rounds x {args.steps} timed steps per layout (median), "
+          "OMP_NUM_THREADS=1 per rank")
     print(f"{'dp':>3} {'tp':>3} {'pp':>3} {'mbs':>4} {'gbs':>4} {'micro':>5} {'s/iter':>8} {'tokens/s':>9}")
     for r in sorted(res["rows"], key=lambda r: (r["gbs"], r["iter_s"])):
         s = Strategy(r["dp"], r["tp"], r["pp"], r["mbs"], r["gbs"])

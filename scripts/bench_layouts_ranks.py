@@ -1,11 +1,17 @@
 """The torchrun side of bench_layouts.py: time every layout in one process group, and DCP save/load.
 
-Usage: torchrun --standalone --nproc-per-node W scripts/bench_layouts_ranks.py RUN_DIR OUT_JSON GBS[,GBS] STEPS
+Layouts are timed in ROUNDS rounds, each visiting every layout in a new seeded random order and timing
+STEPS steps of it, so that drift of the host over the run (and whatever one layout leaves behind for
+the next) spreads over all layouts instead of biasing the ones measured last (an earlier version
+timed every gbs-16 layout before every gbs-64 one, which made larger batches look slower per sample).
+
+Usage: torchrun --standalone --nproc-per-node W scripts/bench_layouts_ranks.py RUN_DIR OUT_JSON GBS[,GBS] STEPS ROUNDS
 """
 
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import sys
 import time
@@ -34,28 +40,41 @@ def layouts(world: int, cfg, gbs_values: list[int]) -> list[Strategy]:
     return out
 
 
-def time_steps(w: Worker, steps: int) -> list[float]:
+def time_steps(w: Worker, steps: int, warmup: int) -> list[float]:
     times = []
-    for i in range(steps + 2):  # two warm-up steps (pipeline shape inference, allocator)
+    for i in range(steps + warmup):
         t0 = time.perf_counter()
         w.train_step(False)
-        if i >= 2:
+        if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
+
+
+def time_layouts(cfg, run_dir: Path, strategies: list[Strategy], steps: int, rounds: int) -> list[dict]:
+    """Every layout's step times over `rounds` shuffled rounds (the same order on every rank)."""
+    workers: dict[Strategy, Worker] = {}
+    times: dict[Strategy, list[float]] = {s: [] for s in strategies}
+    for r in range(rounds):
+        order = list(strategies)
+        random.Random(r).shuffle(order)
+        for s in order:
+            first = s not in workers
+            if first:
+                workers[s] = Worker(cfg, run_dir, s, launch=1)
+            # warm-up: two steps the first time (pipeline shape inference, allocator), one after a switch
+            times[s] += time_steps(workers[s], steps, 2 if first else 1)
+    return [{**s.to_dict(), "iter_s": statistics.median(t), "min_s": min(t), "max_s": max(t), "n": len(t)}
+            for s, t in times.items()]
 
 
 def main() -> None:
     run_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     gbs_values = [int(g) for g in sys.argv[3].split(",")]
-    steps = int(sys.argv[4])
+    steps, rounds = int(sys.argv[4]), int(sys.argv[5])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     cfg = config_from_json((run_dir / "config.resolved.json").read_text(), "bench")
-    rows = []
-    for s in layouts(dist.get_world_size(), cfg, gbs_values):
-        w = Worker(cfg, run_dir, s, launch=1)
-        times = time_steps(w, steps)
-        rows.append({**s.to_dict(), "iter_s": statistics.median(times), "min_s": min(times), "max_s": max(times)})
+    rows = time_layouts(cfg, run_dir, layouts(dist.get_world_size(), cfg, gbs_values), steps, rounds)
     # DCP save under one layout, load under another (resharding), timed.
     w = Worker(cfg, run_dir, Strategy.parse(f"dp{dist.get_world_size()}-tp1-pp1-mbs2-gbs{gbs_values[0]}"), launch=1)
     w.train_step(False)

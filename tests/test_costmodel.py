@@ -71,16 +71,3 @@ def test_gpt3_step_time_is_in_a_plausible_range():
     t = _t(load_hardware("a6000-2x8"), Workload.from_config(cfg), "dp16-tp1-pp1-mbs4-gbs512")[0]
     ideal = 6 * Workload.from_config(cfg).total_params * 512 * 2048 / (16 * 154.8e12)  # 100% of peak
     assert 1.5 * ideal < t < 4 * ideal
-
-
-def test_tp_batch_overhead_grows_with_the_replica_batch_only_under_tp():
-    hw = load_hardware("cpu-local")
-    off = dataclasses.replace(hw, tp_batch_overhead_us=0.0)
-    w = Workload(n_layers=4, d_model=64, n_heads=4, kv_heads=4, ffn=256, seq_len=64, vocab=512, procs_per_node=4)
-    tp = ("dp2-tp2-pp1-mbs2-gbs16", "dp2-tp2-pp1-mbs2-gbs64")
-    extra = _t(hw, w, *tp) - _t(off, w, *tp)
-    # 4 layers x 4 micro-batches x (tp-1) x 8 samples, and 4 x 16 x 1 x 32, at 30 us each (host work x contention 2)
-    np.testing.assert_allclose(extra, 2 * 30e-6 * np.array([4 * 4 * 8, 4 * 16 * 32]), rtol=1e-9)
-    no_tp = ("dp4-tp1-pp1-mbs2-gbs64", "dp1-tp1-pp4-mbs2-gbs64")
-    np.testing.assert_array_equal(_t(hw, w, *no_tp), _t(off, w, *no_tp))
-    assert load_hardware("a6000-2x8").tp_batch_overhead_us == 0.0  # GPU profiles: term off
