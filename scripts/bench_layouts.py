@@ -104,7 +104,7 @@ def main() -> None:
         run_dir = Path(tmp) / "run"
         prepare_run_dir(run_dir, args.config, cfg)
         res = measure_layouts(run_dir, world, args.gbs, args.steps, args.rounds)
-        rows = [{k: r[k] for k in ("dp", "tp", "pp", "mbs", "gbs", "iter_s")} for r in res["rows"]]
+        rows = [{k: r[k] for k in ("dp", "tp", "pp", "mbs", "gbs", "iter_s", "round_s")} for r in res["rows"]]
         args.out.parent.mkdir(exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))
         torch.set_num_threads(os.cpu_count() or 1)
@@ -120,6 +120,11 @@ def main() -> None:
         s = Strategy(r["dp"], r["tp"], r["pp"], r["mbs"], r["gbs"])
         print(f"{s.dp:>3} {s.tp:>3} {s.pp:>3} {s.mbs:>4} {s.gbs:>4} {s.n_microbatches:>5} {r['iter_s']:>8.3f} "
               f"{s.gbs * seq / r['iter_s']:>9.0f}")
+    spread = [statistics.stdev(r["round_s"]) / statistics.mean(r["round_s"]) for r in res["rows"]
+              if len(r["round_s"]) > 1]
+    if spread:
+        print(f"noise: relative std of a layout's per-round median, median over layouts {statistics.median(spread):.1%} "
+              f"(max {max(spread):.1%})")
     d = res["dcp"]
     print(f"torchrun start-up (launch to first step): {startup:.1f} s")
     print(f"DCP save {d['save_s']:.2f} s, load (resharded dp{world}->tp2) {d['load_s']:.2f} s, "

@@ -53,7 +53,7 @@ def time_steps(w: Worker, steps: int, warmup: int) -> list[float]:
 def time_layouts(cfg, run_dir: Path, strategies: list[Strategy], steps: int, rounds: int) -> list[dict]:
     """Every layout's step times over `rounds` shuffled rounds (the same order on every rank)."""
     workers: dict[Strategy, Worker] = {}
-    times: dict[Strategy, list[float]] = {s: [] for s in strategies}
+    times: dict[Strategy, list[list[float]]] = {s: [] for s in strategies}
     for r in range(rounds):
         order = list(strategies)
         random.Random(r).shuffle(order)
@@ -62,9 +62,13 @@ def time_layouts(cfg, run_dir: Path, strategies: list[Strategy], steps: int, rou
             if first:
                 workers[s] = Worker(cfg, run_dir, s, launch=1)
             # warm-up: two steps the first time (pipeline shape inference, allocator), one after a switch
-            times[s] += time_steps(workers[s], steps, 2 if first else 1)
-    return [{**s.to_dict(), "iter_s": statistics.median(t), "min_s": min(t), "max_s": max(t), "n": len(t)}
-            for s, t in times.items()]
+            times[s].append(time_steps(workers[s], steps, 2 if first else 1))
+    rows = []
+    for s, per_round in times.items():
+        flat = [t for r in per_round for t in r]
+        rows.append({**s.to_dict(), "iter_s": statistics.median(flat), "min_s": min(flat), "max_s": max(flat),
+                     "n": len(flat), "round_s": [statistics.median(r) for r in per_round]})
+    return rows
 
 
 def main() -> None:
