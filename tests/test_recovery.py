@@ -37,7 +37,7 @@ def _save(root: Path, step: int, d_model: int = 16) -> Path:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_unusable_checkpoints_are_skipped_with_a_warning(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    oldest, truncated, wrong_shape, unmarked = (_save(root, 4), _save(root, 8), _save(root, 12, d_model=32),
+    oldest, truncated, _wrong_shape, unmarked = (_save(root, 4), _save(root, 8), _save(root, 12, d_model=32),
                                                 _save(root, 16))
     shard = next(truncated.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
