@@ -22,6 +22,7 @@ _ROOT = "Root Cause (first observed failure)"
 _KNOCK_ON = ("Connection reset by peer", "Connection closed by peer", "Connection refused")  # a peer died
 _SRUN_TASK = re.compile(r"srun: error: (\S+): task \d+: (?!.*Terminated)")
 TAIL = 15
+SSH_FAILED = 255  # ssh's own exit status when it cannot connect or loses the connection
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class Failure:
 
     def describe(self) -> str:
         if self.rank is None:
+            if self.exit_code == SSH_FAILED:
+                return "ssh exited with code 255 (connection failed or lost)"
+            if self.exit_code < 0 and -self.exit_code in signal.valid_signals():
+                return f"its agent was killed by signal {signal.Signals(-self.exit_code).name}"
             return f"torchrun exited with code {self.exit_code}"
         code = self.rank_exit_code
         how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 and -code in \

@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -133,6 +134,41 @@ def test_killed_controller_stops_the_ssh_nodes_which_checkpoint_first(tmp_path: 
     committed = [p for p in (run / "checkpoints").glob("step_*") if (p / "COMMITTED").exists()]
     assert committed, "the workers did not checkpoint on SIGTERM"
     assert all(p.name != "step_000000" for p in committed)
+
+
+def _second_launch_ssh_client(run: Path, host: str) -> int | None:
+    """The pid of the ssh client reaching `host` for the run's second launch, once it exists."""
+    if not (run / "events.jsonl").is_file() or len(_events(run, "launch")) < 2:
+        return None
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    pids = [int(line.split(None, 1)[0]) for line in ps.splitlines()[1:]
+            if line.split(None, 1)[1].startswith("ssh ") and f" {host} " in line]
+    return pids[0] if pids else None
+
+
+def test_lost_ssh_connection_is_a_node_failure_named_by_host(tmp_path: Path, sshd: Sshd,
+                                                             reference: dict[int, float]) -> None:
+    """The ssh client of 127.0.0.2 dies mid-run (as when the host stops answering): the job restarts
+    from the last checkpoint, the failure names that host, and training continues exactly."""
+    cluster = {"nodes": ["127.0.0.1", "127.0.0.2"], "procs_per_node": 2, "ssh_args": sshd.ssh_args}
+    cfg = write_config(tmp_path / "cfg.yaml", _doc(cluster))
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "cona_cli", "train", str(cfg), "--run-dir", str(run)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (ssh_client := _second_launch_ssh_client(run, "127.0.0.2")):  # kill it while the job starts
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    os.kill(ssh_client, signal.SIGKILL)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    failures = _events(run, "failure")
+    assert failures and failures[0]["host"] == "127.0.0.2"
+    assert _events(run, "launch")[-1]["reason"] == "restart"
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, abs=1e-5), step
 
 
 def test_unreachable_ssh_node_is_refused_in_one_line(tmp_path: Path, sshd: Sshd) -> None:
