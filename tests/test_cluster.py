@@ -183,6 +183,8 @@ def test_failure_blame() -> None:
     assert not own.knock_on and own.rank == 0
     unreachable = parse_failure("ssh: connect to host 10.0.0.9 port 22: Connection refused\n", 255)
     assert not unreachable.knock_on and unreachable.rank is None
+    assert unreachable.describe() == "ssh exited with code 255 (connection failed or lost)"
+    assert parse_failure("", -9).describe() == "its agent was killed by signal SIGKILL"
 
 
 def test_storage_probe_passes_on_shared_storage_and_names_what_is_missing(tmp_path: Path) -> None:
