@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from cona_cli.config import config_from_json
 from cona_cli.gns import two_batch_estimate
 from cona_cli.strategy import Strategy
 from launch.data import CorpusInfo, TokenStream, replica_microbatches
 from launch.model import GPT, GPTArgs, loss_fn
 from launch.worker import Worker
+from tests.dist.common import start
 
 MBS, GBS = 2, 16
 
@@ -45,11 +44,7 @@ def reference(cfg, corpus: CorpusInfo, s: Strategy) -> tuple[float, float]:
 
 
 def main() -> None:
-    run_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    cfg = config_from_json((run_dir / "config.resolved.json").read_text(), "test")
-    corpus = CorpusInfo.from_json((run_dir / "corpus.json").read_text())
+    run_dir, out, cfg, corpus = start()
     results = {}
     for layout in sys.argv[3].split(","):
         dp, tp, pp = (int(v) for v in layout.split("-"))

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from cona_cli.config import config_from_json
 from cona_cli.strategy import Strategy
 from launch.data import CorpusInfo, TokenStream
 from launch.lr import learning_rate
 from launch.model import GPT, GPTArgs, loss_fn
 from launch.worker import Worker
+from tests.dist.common import start
 
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (1, 4, 1)]
 STEPS = 3
@@ -71,11 +69,7 @@ def full_state(w: Worker) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    run_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    cfg = config_from_json((run_dir / "config.resolved.json").read_text(), "test")
-    corpus = CorpusInfo.from_json((run_dir / "corpus.json").read_text())
+    run_dir, out, cfg, corpus = start()
     results: dict = {"layouts": {}, "reshard": []}
     gbs = 16
     results["reference"] = reference_losses(cfg, corpus, gbs, STEPS)
