@@ -148,9 +148,11 @@ def _node_spec(item: Any, where: str) -> NodeSpec:
 
 def _build_cluster(raw: Any) -> ClusterConfig:
     """The cluster section: `nodes` may be a count, a list of hosts or `slurm`."""
-    raw = dict(raw or {}) if isinstance(raw, dict) or raw is None else raw
+    if raw is None:
+        raw = {}
     if not isinstance(raw, dict):
         raise ConfigError("cluster: must be a mapping")
+    raw = dict(raw)
     nodes = raw.get("nodes", 1)
     hosts: tuple[NodeSpec, ...] = ()
     if isinstance(nodes, list):

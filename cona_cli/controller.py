@@ -257,8 +257,9 @@ class Controller:
         agents = self.launcher.start(self.nodes, lambda node: torchrun_args(c, node, rdzv) + tail, env)
         self.state.agent_pids = [a.pid for a in agents]
         self._save_state(stage, prev)
-        pumps = [threading.Thread(target=self._pump, args=(a, self._log_path(a, len(agents) > 1), len(agents) > 1),
-                                  daemon=True) for a in agents]
+        per_node = len(agents) > 1  # one log per node, lines shown prefixed by the node
+        pumps = [threading.Thread(target=self._pump, args=(a, self._log_path(a, per_node), per_node), daemon=True)
+                 for a in agents]
         for pump in pumps:
             pump.start()
         requested, failed = self._follow(agents, stage, prev, progress)
@@ -267,12 +268,10 @@ class Controller:
         outcome = json.loads(outcome_path.read_text()) if outcome_path.is_file() else None
         self._drain(stage, prev, progress)
         self._save_state(stage, prev)
-        per_node = len(agents) > 1
         if not failed:
             return LaunchResult(0, outcome, None, None, self._log_path(agents[0], per_node)), requested
-        reports = [(a, self._log_path(a, per_node)) for a in failed]
         parsed = [(a, path, parse_failure(path.read_text(errors="replace") if path.is_file() else "", a.poll() or 1))
-                  for a, path in reports]
+                  for a, path in ((a, self._log_path(a, per_node)) for a in failed)]
         agent, path, failure = next((r for r in parsed if not r[2].knock_on), parsed[0])
         return LaunchResult(failure.exit_code, outcome, agent, failure, path), requested
 

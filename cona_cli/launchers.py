@@ -64,9 +64,9 @@ class Agent:
             pass
 
 
-def _popen(argv: list[str], env: dict[str, str], cwd: str | None = None, stdin: int | None = None) -> subprocess.Popen:
-    return subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin if stdin is not None else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+def _popen(argv: list[str], env: dict[str, str], cwd: str | None = None,
+           stdin: int = subprocess.DEVNULL) -> subprocess.Popen:
+    return subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             text=True, bufsize=1)
 
 

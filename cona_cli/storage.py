@@ -18,8 +18,9 @@ from pathlib import Path
 
 from cona_cli.cluster import ClusterError, Node
 from cona_cli.launchers import Agent, Launcher
+from launch.storage_probe import MISSING_CONTROLLER, MISSING_NODES
 
-PROBE_FAILED = 1  # launch.storage_probe's verdict "cannot see"
+VERDICTS = (MISSING_CONTROLLER, MISSING_NODES)  # the probe ran and saw its folder incomplete
 EXTRA_WAIT_S = 60.0  # on top of the probe timeout, for ssh connections and interpreter start-up
 
 
@@ -37,13 +38,13 @@ def check_shared(launcher: Launcher, nodes: list[Node], run_dir: Path, timeout_s
     agents = launcher.start(nodes, argv_for, {})
     try:
         outputs, stopped = _wait(agents, timeout_s + EXTRA_WAIT_S)
-        failed = [(a, _last_line(out, a.poll())) for i, (a, out) in enumerate(zip(agents, outputs))
-                  if a.poll() != 0 and i not in stopped]
+        failed = [a for i, a in enumerate(agents) if a.poll() != 0 and i not in stopped]
         if not failed and stopped:
             raise ClusterError(f"cluster: the shared-storage check of {run_dir} did not finish within "
                                f"{timeout_s + EXTRA_WAIT_S:g} s (node {agents[min(stopped)].label})")
-        if failed:
-            agent, said = min(failed, key=lambda f: _blame_order(f[1]))
+        if failed:  # blame a node that could not run the probe, then one that misses the controller's file
+            agent = min(failed, key=lambda a: (a.poll() in VERDICTS, a.poll() == MISSING_NODES))
+            said = _last_line(outputs[agents.index(agent)], agent.poll())
             raise ClusterError(f"cluster: node {agent.label} failed the shared-storage check of {run_dir}: {said}")
         unseen = sorted({f"node_{n.index}" for n in nodes} - set(os.listdir(folder)))
         if unseen:
@@ -63,7 +64,7 @@ def _wait(agents: list[Agent], deadline_s: float) -> tuple[list[str], set[int]]:
     stopped: set[int] = set()
     end = time.monotonic() + deadline_s
     while any(a.poll() is None for a in agents):
-        if any(a.poll() not in (None, 0, PROBE_FAILED) for a in agents) or time.monotonic() > end:
+        if any(a.poll() not in (None, 0, *VERDICTS) for a in agents) or time.monotonic() > end:
             stopped |= {i for i, a in enumerate(agents) if a.poll() is None}
             for i in stopped:
                 agents[i].abandon()
@@ -78,11 +79,3 @@ def _wait(agents: list[Agent], deadline_s: float) -> tuple[list[str], set[int]]:
 def _last_line(output: str, code: int | None) -> str:
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     return lines[-1] if lines else f"exit status {code}"
-
-
-def _blame_order(said: str) -> int:
-    """Which failure names the culprit: a node that could not run the probe (unreachable), then one
-    that cannot see the controller's file, then one that only misses another node's."""
-    if "storage probe:" not in said:
-        return 0
-    return 1 if "controller" in said.split("cannot see", 1)[-1] else 2

@@ -1,8 +1,10 @@
 """Run on every node before the first launch: is the run folder shared storage?
 
 `python -m launch.storage_probe DIR NODE NODES TIMEOUT_S` writes DIR/node_NODE, then waits until DIR
-holds the controller's file and every node's. Exit 0 when it sees them all; 1, with one line naming
-what is missing, when the timeout passes first. NODE `-` means $SLURM_NODEID (one srun line for all).
+holds the controller's file and every node's. Exit 0 when it sees them all; when the timeout passes
+first, one line naming what is missing and exit MISSING_CONTROLLER (this node does not see the
+controller's file: its storage is the odd one out) or MISSING_NODES (only other nodes' files).
+NODE `-` means $SLURM_NODEID (one srun line for all).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 POLL_S = 0.2
+MISSING_NODES, MISSING_CONTROLLER = 1, 2  # exit statuses
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +34,7 @@ def main(argv: list[str]) -> int:
             return 0
         if time.monotonic() > deadline:
             print(f"storage probe: node {index} ({host}) cannot see {', '.join(missing)} in {folder}", flush=True)
-            return 1
+            return MISSING_CONTROLLER if "controller" in missing else MISSING_NODES
         time.sleep(POLL_S)
 
 

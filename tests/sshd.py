@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from cona_cli.cluster import free_port
 
 
 @dataclass
@@ -29,12 +30,6 @@ def sshd_binary() -> str | None:
     return shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd",) if os.access(p, os.X_OK)), None)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_sshd(folder: Path, addrs: tuple[str, ...] = ("127.0.0.1", "127.0.0.2"), port: int | None = None,
                wrap: list[str] | None = None, user_key: Path | None = None) -> Sshd:
     """Start sshd listening on `addrs`; `wrap` prefixes its command (e.g. an `unshare` for a node that
@@ -48,7 +43,7 @@ def start_sshd(folder: Path, addrs: tuple[str, ...] = ("127.0.0.1", "127.0.0.2")
         if not key.exists():
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     shutil.copyfile(f"{user_key}.pub", folder / "authorized_keys")
-    port = port or free_port()
+    port = port or free_port("127.0.0.1")
     config = folder / "sshd_config"
     config.write_text("\n".join([*(f"ListenAddress {a}:{port}" for a in addrs), f"HostKey {host_key}",
                                  f"AuthorizedKeysFile {folder / 'authorized_keys'}", "PubkeyAuthentication yes",

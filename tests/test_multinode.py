@@ -96,9 +96,14 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Sshd:
     server.stop()
 
 
+def _processes() -> list[tuple[int, str]]:
+    """(pid, command line) of every process; -ww: lines never cut at the terminal width."""
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [(int(pid), args) for pid, args in (line.strip().split(None, 1) for line in ps.splitlines())]
+
+
 def _node_processes(run: Path) -> list[str]:
-    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout  # -ww: never cut lines
-    return [line for line in ps.splitlines() if str(run) in line]
+    return [args for _, args in _processes() if str(run) in args]
 
 
 def test_two_ssh_nodes_switch_and_match_one_node(tmp_path: Path, sshd: Sshd, reference: dict[int, float]) -> None:
@@ -140,10 +145,7 @@ def _second_launch_ssh_client(run: Path, host: str) -> int | None:
     """The pid of the ssh client reaching `host` for the run's second launch, once it exists."""
     if not (run / "events.jsonl").is_file() or len(_events(run, "launch")) < 2:
         return None
-    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    pids = [int(line.split(None, 1)[0]) for line in ps.splitlines()[1:]
-            if line.split(None, 1)[1].startswith("ssh ") and f" {host} " in line]
-    return pids[0] if pids else None
+    return next((pid for pid, args in _processes() if args.startswith("ssh ") and f" {host} " in args), None)
 
 
 def test_lost_ssh_connection_is_a_node_failure_named_by_host(tmp_path: Path, sshd: Sshd,
