@@ -313,7 +313,10 @@ def main() -> None:
             worker.restore(args.resume)
         except checkpoint.CheckpointError as e:
             print(f"cona-worker rank {worker.rank}: bad checkpoint: {e}", file=sys.stderr, flush=True)
-            sys.exit(BAD_CHECKPOINT_EXIT)
+            sys.stdout.flush()
+            # Not sys.exit: after a failed DCP load, interpreter shutdown can abort (SIGABRT,
+            # "terminate called without an active exception") and the controller would never see the code.
+            os._exit(BAD_CHECKPOINT_EXIT)
     result = worker.train(args.stop_step, fresh=args.resume is None)
     if worker.rank == 0:
         out = args.run_dir / "launches" / f"{args.launch:03d}.json"

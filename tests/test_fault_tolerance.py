@@ -153,7 +153,7 @@ def test_controller_sigterm_exits_143_and_resumes_past_an_unloadable_checkpoint(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     events = check_recovered(run, reference)
     failure = next(e for e in events if e["kind"] == "failure")
-    assert failure["bad_checkpoint"] and failure["rank_exit_code"] == 3
+    assert failure["bad_checkpoint"] and failure["rank_exit_code"] == 3, (failure, resumed.stderr[-3000:])
     assert any(e["kind"] == "warning" and newest.name in e["message"] for e in events)
     assert [e["step"] for e in events if e["kind"] == "launch"][-1] == older["step"]
     assert (newest.parent / f"bad-{newest.name}").is_dir()
