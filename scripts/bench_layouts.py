@@ -5,7 +5,8 @@ sizes, torchrun start-up time (launch to first step), DCP save/load seconds and 
 of cona's (1,1,1) step time to a minimal plain-PyTorch loop of the same model and batch.
 Writes the measurements to scripts/data/layout_times_cpu.json (the cost model's calibration data).
 
-    python scripts/bench_layouts.py [--config configs/tiny.yaml] [--gbs 16,64] [--steps 3] [--rounds 3]
+    python scripts/bench_layouts.py [--config configs/tiny.yaml] [--gbs 16,64] [--steps 3] [--rounds 4]
+                                    [--min-seconds 1.0]
 
 Run it on a quiet machine: every layout is timed in several rounds of a shuffled order, and the
 median of all its timed steps is recorded.
@@ -32,11 +33,12 @@ from cona_cli.strategy import Strategy  # noqa: E402
 from cona_cli.train_cli import prepare_run_dir, resolve_config  # noqa: E402
 
 
-def measure_layouts(run_dir: Path, world: int, gbs: str, steps: int, rounds: int) -> dict:
+def measure_layouts(run_dir: Path, world: int, gbs: str, steps: int, rounds: int, min_s: float) -> dict:
     out = run_dir / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(REPO / "scripts" / "bench_layouts_ranks.py"), str(run_dir), str(out), gbs, str(steps), str(rounds)]
+           str(REPO / "scripts" / "bench_layouts_ranks.py"), str(run_dir), str(out), gbs, str(steps), str(rounds),
+           str(min_s)]
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     return json.loads(out.read_text())
 
@@ -94,8 +96,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "tiny.yaml")
     ap.add_argument("--gbs", default="16,64")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout and round")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds over all layouts, each in a new random order")
+    ap.add_argument("--steps", type=int, default=3, help="least timed steps per layout and round")
+    ap.add_argument("--min-seconds", type=float, default=1.0, help="least timed seconds per layout and round")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds over all layouts, each in a new random order")
     ap.add_argument("--out", type=Path, default=REPO / "scripts" / "data" / "layout_times_cpu.json")
     args = ap.parse_args()
     cfg = resolve_config(args.config, None, None, None)
@@ -103,8 +106,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         prepare_run_dir(run_dir, args.config, cfg)
-        res = measure_layouts(run_dir, world, args.gbs, args.steps, args.rounds)
-        rows = [{k: r[k] for k in ("dp", "tp", "pp", "mbs", "gbs", "iter_s", "round_s")} for r in res["rows"]]
+        res = measure_layouts(run_dir, world, args.gbs, args.steps, args.rounds, args.min_seconds)
+        rows = [{k: r[k] for k in ("dp", "tp", "pp", "mbs", "gbs", "iter_s", "n", "round_s")} for r in res["rows"]]
         args.out.parent.mkdir(exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))
         torch.set_num_threads(os.cpu_count() or 1)
@@ -113,7 +116,8 @@ def main() -> None:
 
     seq = cfg.model.seq_len
     print(f"config {args.config.name}: world {world}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
-          f"seq {seq}; {args.rounds} shuffled rounds x {args.steps} timed steps per layout (median), "
+          f"seq {seq}; {args.rounds} shuffled rounds x at least {args.steps} steps and {args.min_seconds:g} s "
+          "per layout (median of all), "
           "OMP_NUM_THREADS=1 per rank")
     print(f"{'dp':>3} {'tp':>3} {'pp':>3} {'mbs':>4} {'gbs':>4} {'micro':>5} {'s/iter':>8} {'tokens/s':>9}")
     for r in sorted(res["rows"], key=lambda r: (r["gbs"], r["iter_s"])):

@@ -1,15 +1,18 @@
 """The torchrun side of bench_layouts.py: time every layout in one process group, and DCP save/load.
 
 Layouts are timed in ROUNDS rounds, each visiting every layout in a new seeded random order and timing
-STEPS steps of it, so that drift of the host over the run (and whatever one layout leaves behind for
-the next) spreads over all layouts instead of biasing the ones measured last (an earlier version
-timed every gbs-16 layout before every gbs-64 one, which made larger batches look slower per sample).
+at least STEPS steps and at least MIN_S seconds of it, so that drift of the host over the run (and
+whatever one layout leaves behind for the next) spreads over all layouts instead of biasing the ones
+measured last (an earlier version timed every gbs-16 layout before every gbs-64 one, which made larger
+batches look slower per sample). The time floor gives fast layouts many steps: a 50 ms step on 4
+processes sharing 2 cores jitters by +-30% with the scheduler, a 2 s step averages that out itself.
 
-Usage: torchrun --standalone --nproc-per-node W scripts/bench_layouts_ranks.py RUN_DIR OUT_JSON GBS[,GBS] STEPS ROUNDS
+Usage: torchrun --standalone --nproc-per-node W scripts/bench_layouts_ranks.py RUN_DIR OUT_JSON GBS[,GBS] STEPS ROUNDS MIN_S
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import statistics
@@ -22,6 +25,7 @@ import torch.distributed as dist
 
 from cona_cli.config import config_from_json
 from cona_cli.strategy import Strategy
+import launch.worker as worker_module
 from launch.worker import Worker
 
 MAX_MICROBATCHES = 16  # beyond this, tiny micro-batches only measure per-micro-batch overheads
@@ -40,29 +44,52 @@ def layouts(world: int, cfg, gbs_values: list[int]) -> list[Strategy]:
     return out
 
 
-def time_steps(w: Worker, steps: int, warmup: int) -> list[float]:
-    times = []
-    for i in range(steps + warmup):
+def time_steps(w: Worker, steps: int, warmup: int, min_s: float) -> list[float]:
+    """Times of at least `steps` steps lasting at least `min_s` in all, after `warmup` untimed ones.
+
+    Rank 0 decides when to stop (ranks must agree on the number of collective-bearing steps)."""
+    for _ in range(warmup):
+        w.train_step(False)
+    times: list[float] = []
+    go = torch.ones(1)
+    while go.item():
         t0 = time.perf_counter()
         w.train_step(False)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
+        go.fill_(float(len(times) < steps or sum(times) < min_s))
+        dist.broadcast(go, 0)
     return times
 
 
-def time_layouts(cfg, run_dir: Path, strategies: list[Strategy], steps: int, rounds: int) -> list[dict]:
-    """Every layout's step times over `rounds` shuffled rounds (the same order on every rank)."""
-    workers: dict[Strategy, Worker] = {}
+def share_meshes() -> None:
+    """Build each mesh shape once: a launch only ever has one layout's process groups, and hundreds of
+    idle gloo groups (with their threads) left by earlier layouts slowed steps by 10-30%. (Destroying
+    them instead breaks later meshes, which resolve cached group names.)"""
+    build, meshes = worker_module.build_mesh, {}
+
+    def shared(strategy: Strategy, device: str):
+        key = (strategy.pp, strategy.dp, strategy.tp, device)
+        if key not in meshes:
+            meshes[key] = build(strategy, device)
+        return meshes[key]
+
+    worker_module.build_mesh = shared
+
+
+def time_layouts(cfg, run_dir: Path, strategies: list[Strategy], steps: int, rounds: int,
+                 min_s: float) -> list[dict]:
+    """Every layout's step times over `rounds` shuffled rounds (the same order on every rank), each
+    measured in a fresh worker with nothing else alive, as in a launch."""
     times: dict[Strategy, list[list[float]]] = {s: [] for s in strategies}
     for r in range(rounds):
         order = list(strategies)
         random.Random(r).shuffle(order)
         for s in order:
-            first = s not in workers
-            if first:
-                workers[s] = Worker(cfg, run_dir, s, launch=1)
-            # warm-up: two steps the first time (pipeline shape inference, allocator), one after a switch
-            times[s].append(time_steps(workers[s], steps, 2 if first else 1))
+            w = Worker(cfg, run_dir, s, launch=1)
+            # two warm-up steps: pipeline shape inference, allocator
+            times[s].append(time_steps(w, steps, 2, min_s))
+            del w
+            gc.collect()
     rows = []
     for s, per_round in times.items():
         flat = [t for r in per_round for t in r]
@@ -74,11 +101,13 @@ def time_layouts(cfg, run_dir: Path, strategies: list[Strategy], steps: int, rou
 def main() -> None:
     run_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     gbs_values = [int(g) for g in sys.argv[3].split(",")]
-    steps, rounds = int(sys.argv[4]), int(sys.argv[5])
+    steps, rounds, min_s = int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     cfg = config_from_json((run_dir / "config.resolved.json").read_text(), "bench")
-    rows = time_layouts(cfg, run_dir, layouts(dist.get_world_size(), cfg, gbs_values), steps, rounds)
+    share_meshes()
+    rows = time_layouts(cfg, run_dir, layouts(dist.get_world_size(), cfg, gbs_values), steps, rounds,
+                        min_s)
     # DCP save under one layout, load under another (resharding), timed.
     w = Worker(cfg, run_dir, Strategy.parse(f"dp{dist.get_world_size()}-tp1-pp1-mbs2-gbs{gbs_values[0]}"), launch=1)
     w.train_step(False)
