@@ -8,7 +8,9 @@ their measured median (std: spread of the samples). The state round-trips throug
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +30,14 @@ _FLOOR = 1e-6                              # parameters are fitted in log space,
 MEASUREMENT_NOISE = 0.05  # relative noise of one median step time
 PRIOR_LOG_STD = 1.5       # how far (in log units) data may pull a parameter from the profile's value
 UNCALIBRATED_REL_STD = 0.3  # relative std of the analytic model before any measurement
+
+
+def read_recording(path: Path) -> dict[Strategy, list[float]]:
+    """Step times recorded by scripts/bench_layouts.py: a JSON list of {dp, tp, pp, mbs, gbs, iter_s}."""
+    times: dict[Strategy, list[float]] = {}
+    for r in json.loads(path.read_text()):
+        times.setdefault(Strategy(r["dp"], r["tp"], r["pp"], r["mbs"], r["gbs"]), []).append(r["iter_s"])
+    return times
 
 
 def features(x: np.ndarray) -> np.ndarray:

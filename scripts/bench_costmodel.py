@@ -14,13 +14,12 @@ Usage: .venv/bin/python scripts/bench_costmodel.py [--data PATH] [--fit N] [--cv
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from cona_cli.calibration import Calibrator
+from cona_cli.calibration import Calibrator, read_recording
 from cona_cli.config import Config, load_config
 from cona_cli.costmodel import Workload, as_array, iteration_time, load_hardware
 from cona_cli.strategy import Strategy
@@ -72,13 +71,9 @@ def main() -> int:
         print(f"{args.data}: no recorded measurements (run scripts/bench_layouts.py first)")
         return 2
     cfg = load_config(ROOT / "configs" / "tiny.yaml")
-    rows = json.loads(args.data.read_text())
-    times: dict[Strategy, list[float]] = {}
-    for r in rows:
-        s = Strategy(r["dp"], r["tp"], r["pp"], r["mbs"], r["gbs"])
-        if s.world == cfg.cluster.world:
-            times.setdefault(s, []).append(r["iter_s"])
-    skipped = len(rows) - sum(len(v) for v in times.values())
+    recorded = read_recording(args.data)
+    times = {s: t for s, t in recorded.items() if s.world == cfg.cluster.world}
+    skipped = len(recorded) - len(times)
     order = sorted(times)
     if not 1 <= args.fit < len(order) / 2:
         print(f"--fit {args.fit}: need 1 <= N < {len(order) / 2:g} so that held-out layouts are the majority")
@@ -90,9 +85,9 @@ def main() -> int:
         return 2
     _, cal = held_out_mape(cfg, times, fit)
     measured = np.array([np.median(times[s]) for s in held])
-    predicted, std = cal.predict(as_array(held))
+    predicted, _ = cal.predict(as_array(held))
     errors = np.abs(predicted - measured) / measured
-    print(f"{len(rows)} rows, {skipped} skipped (world != {cfg.cluster.world}); fitted on {len(fit)} of "
+    print(f"{len(recorded)} layouts, {skipped} skipped (world != {cfg.cluster.world}); fitted on {len(fit)} of "
           f"{len(order)} layouts (largest dp, tp, pp, then maximin in log2 features): {', '.join(map(str, fit))}")
     print("fitted " + ", ".join(f"{k}={v:.3g}" for k, v in cal.to_dict()["params"].items()))
     for s, m, p, e in zip(held, measured, predicted, errors):

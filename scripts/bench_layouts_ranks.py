@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import launch.worker as worker_module
 from cona_cli.config import config_from_json
 from cona_cli.strategy import Strategy
-import launch.worker as worker_module
 from launch.worker import Worker
 
 MAX_MICROBATCHES = 16  # beyond this, tiny micro-batches only measure per-micro-batch overheads
