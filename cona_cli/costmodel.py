@@ -9,8 +9,9 @@ One step of strategy s = (dp, tp, pp, mbs, gbs) with m = gbs / (dp * mbs) micro-
 
 Each stage's time per micro-batch is split into host work and waiting (AdaptDL-style named terms):
 
-    work  = layers/pp * (compute + layer overhead + TP dispatch) + output head + micro-batch overhead
-    wait  = layers/pp * TP all-reduces + head TP collectives + PP send/recv
+    work  = layers/pp * (compute + layer overhead + TP dispatch [+ TP data movement on CPUs])
+            + output head + micro-batch overhead
+    wait  = layers/pp * TP all-reduces [latency only on CPUs] + head TP collectives + PP send/recv
 
 Compute is FLOPs / (peak * efficiency), efficiency = mfu_max * f / (f + f_half) growing with the work f
 per layer and micro-batch on one device (so with mbs, and shrinking with tp). On GPUs the pipeline
@@ -215,12 +216,17 @@ def iteration_time(x: np.ndarray, w: Workload, hw: HardwareProfile) -> np.ndarra
 
     # Ranks are laid out (pp, dp, tp) with tp innermost; a node's NIC is shared by the rings crossing it.
     tp_local = tp <= ppn
-    tp_ar = ring_allreduce_s(tp, act, np.where(tp_local, intra_bw, inter_bw), np.where(tp_local, intra_lat, inter_lat))
+    tp_bw, tp_lat = np.where(tp_local, intra_bw, inter_bw), np.where(tp_local, intra_lat, inter_lat)
+    tp_ar = ring_allreduce_s(tp, act, tp_bw, tp_lat)
+    # On CPUs a collective's data movement (copies, reduction, loopback TCP) runs on the same cores as
+    # compute: it is work, slowed by contention; only the latency is waiting.
+    tp_copy = ring_allreduce_s(tp, act, tp_bw, 0.0) if hw.cores_per_node else np.zeros_like(tp)
+    n_tp = tp_collectives_per_layer(w.recompute)
     # Host work, in seconds of a process that has a core to itself (compute_s already divides the
     # node's FLOP/s among its processes, so compute is not slowed again by the contention below).
     host_layer = (hw.layer_overhead_us + np.where(tp > 1, hw.tp_overhead_us, 0.0)) * 1e-6  # eager dispatch
-    layer_work = passes * layer_fwd / contention + host_layer
-    layer_wait = tp_collectives_per_layer(w.recompute) * tp_ar
+    layer_work = passes * layer_fwd / contention + host_layer + n_tp * tp_copy
+    layer_wait = n_tp * (tp_ar - tp_copy)
     # Vocab-parallel ends: the embedding's output all-reduce (forward) on the first stage; the output
     # head's logits all-gather (forward) and input-gradient all-reduce (backward) on the last one.
     head_wait = np.where(pp == 1, 3.0, 2.0) * tp_ar
