@@ -140,9 +140,8 @@ def rendezvous(cluster: ClusterConfig, nodes: list[Node], run_id: str) -> Rendez
         except OSError as e:
             raise ClusterError(f"cluster.head_addr: {host} is not an address of this machine ({e.strerror})") \
                 from None
-    hosting = [n.index for n in nodes if n.addr == host]
-    if cluster.launcher == "slurm":
-        hosting = []  # one srun command line for every node: torchrun matches the host name itself
+    # Under slurm one srun command line serves every node: torchrun matches the host name itself.
+    hosting = [] if cluster.launcher == "slurm" else [n.index for n in nodes if n.addr == host]
     return Rendezvous(f"{host}:{port}", run_id, hosting[0] if hosting else None)
 
 

@@ -396,8 +396,8 @@ def config_from_dict(raw: Any, source: str = "<config>") -> Config:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(_TOP_KEYS))})")
     if "model" not in raw:
         raise ConfigError("model: required")
-    sections = {name: _build_cluster(raw.get(name)) if cls is ClusterConfig else _build_section(cls, raw.get(name), name)
-                for name, cls in _SECTIONS.items()}
+    sections = {name: _build_cluster(raw.get(name)) if cls is ClusterConfig
+                else _build_section(cls, raw.get(name), name) for name, cls in _SECTIONS.items()}
     auto = raw.get("strategy") == "auto"
     strategy = _parse_strategy(raw["strategy"], "strategy") if raw.get("strategy") not in (None, "auto") else None
     chain = parse_chain(raw["chain"]) if raw.get("chain") is not None else None

@@ -297,6 +297,7 @@ class Controller:
         stop_sent_at: float | None = None
         failed: list[Agent] = []
         killed_at: float | None = None
+        abandoned = False
         while True:
             failed += [a for a in agents if a.poll() not in (None, 0) and a not in failed]
             if all(a.poll() is not None for a in agents):
@@ -317,9 +318,10 @@ class Controller:
                 for a in agents:
                     a.signal(signal.SIGKILL)
                 killed_at = time.monotonic()
-            if killed_at is not None and time.monotonic() - killed_at > KILL_WAIT_S:
+            if killed_at is not None and not abandoned and time.monotonic() - killed_at > KILL_WAIT_S:
                 for a in agents:
                     a.abandon()
+                abandoned = True
 
     def _drain(self, stage: Stage, prev: Prev | None, progress: Progress, wait: float = 0.0) -> Stage | None:
         """Handle queued telemetry messages; returns a stage the policy wants to switch to."""

@@ -51,23 +51,23 @@ class Agent:
                 return
             except (BrokenPipeError, OSError, ValueError):
                 sig = signal.SIGKILL  # the connection is gone: only the local end is left to stop
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        self._killpg(sig)
 
     def abandon(self) -> None:
         """Kill the local end (an ssh client whose node stopped answering)."""
+        self._killpg(signal.SIGKILL)
+
+    def _killpg(self, sig: int) -> None:
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
 
 
 def _popen(argv: list[str], env: dict[str, str], cwd: str | None = None,
            stdin: int = subprocess.DEVNULL) -> subprocess.Popen:
-    return subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            text=True, bufsize=1)
+    return subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True, bufsize=1)
 
 
 class Launcher(ABC):

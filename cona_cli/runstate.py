@@ -98,10 +98,8 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def wait_for_group(pgid: int | None, grace_s: float) -> None:
+def wait_for_group(pgid: int, grace_s: float) -> None:
     """Let an orphaned torchrun job (its controller was killed) finish its checkpoint, then kill it."""
-    if pgid is None:
-        return
     deadline = time.monotonic() + grace_s
     while _group_alive(pgid):
         if time.monotonic() > deadline:

@@ -65,9 +65,10 @@ def _wait(agents: list[Agent], deadline_s: float) -> tuple[list[str], set[int]]:
     end = time.monotonic() + deadline_s
     while any(a.poll() is None for a in agents):
         if any(a.poll() not in (None, 0, *VERDICTS) for a in agents) or time.monotonic() > end:
-            stopped |= {i for i, a in enumerate(agents) if a.poll() is None}
-            for i in stopped:
+            running = {i for i, a in enumerate(agents) if a.poll() is None} - stopped
+            for i in running:
                 agents[i].abandon()
+            stopped |= running
         time.sleep(0.1)
     for r, a in zip(readers, agents):
         r.join(timeout=5)

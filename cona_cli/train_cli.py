@@ -137,7 +137,7 @@ def train_command(
             raise ConfigError("CONFIG: missing (give a YAML config, or --resume RUN_DIR)")
         else:
             cfg, policy = make_policy(resolve_config(config, strategy, chain, max_steps, data))
-            run_dir = run_dir or Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+            run_dir = run_dir or default_run_dir(config)
             prepare_run_dir(run_dir, config, cfg)
             lock(run_dir)
         controller = Controller(cfg, run_dir, policy, console=err, verbose=verbose, resume=state)
@@ -148,11 +148,15 @@ def train_command(
     raise typer.Exit(controller.run())
 
 
+def default_run_dir(config: Path) -> Path:
+    return Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def write_sbatch(path: Path, config: Path, run_dir: Optional[Path], strategy: Optional[str],
                  chain: Optional[Path], max_steps: Optional[int], data: Optional[Path]) -> None:
     """Validate the config and write the batch script (the run folder is made now, for Slurm's log)."""
     cfg = resolve_config(config, strategy, chain, max_steps, data)
-    run_dir = (run_dir or Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    run_dir = (run_dir or default_run_dir(config)).absolute()
     argv = [str(config.absolute()), "--run-dir", str(run_dir)]
     for flag, value in (("--strategy", strategy), ("--chain", chain and chain.absolute()),
                         ("--max-steps", max_steps), ("--data", data and data.absolute())):

@@ -117,8 +117,7 @@ def main() -> None:
     seq = cfg.model.seq_len
     print(f"config {args.config.name}: world {world}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
           f"seq {seq}; {args.rounds} shuffled rounds x at least {args.steps} steps and {args.min_seconds:g} s "
-          "per layout (median of all), "
-          "OMP_NUM_THREADS=1 per rank")
+          "per layout (median of all), OMP_NUM_THREADS=1 per rank")
     print(f"{'dp':>3} {'tp':>3} {'pp':>3} {'mbs':>4} {'gbs':>4} {'micro':>5} {'s/iter':>8} {'tokens/s':>9}")
     for r in sorted(res["rows"], key=lambda r: (r["gbs"], r["iter_s"])):
         s = Strategy(r["dp"], r["tp"], r["pp"], r["mbs"], r["gbs"])
@@ -127,8 +126,8 @@ def main() -> None:
     spread = [statistics.stdev(r["round_s"]) / statistics.mean(r["round_s"]) for r in res["rows"]
               if len(r["round_s"]) > 1]
     if spread:
-        print(f"noise: relative std of a layout's per-round median, median over layouts {statistics.median(spread):.1%} "
-              f"(max {max(spread):.1%})")
+        print(f"noise: relative std of a layout's per-round median, median over layouts "
+              f"{statistics.median(spread):.1%} (max {max(spread):.1%})")
     d = res["dcp"]
     print(f"torchrun start-up (launch to first step): {startup:.1f} s")
     print(f"DCP save {d['save_s']:.2f} s, load (resharded dp{world}->tp2) {d['load_s']:.2f} s, "
