@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import typer
 
-from cona_cli.report_cli import report_command
-from cona_cli.search_cli import search_command
-from cona_cli.train_cli import train_command
+from cona_cli.commands.report import report_command
+from cona_cli.commands.search import search_command
+from cona_cli.commands.train import train_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Chain parallelism strategies while an LLM trains, to reach a target perplexity sooner.")

@@ -15,6 +15,7 @@ from typing import Any, Callable, get_args, get_origin, get_type_hints
 
 import yaml
 
+from cona_cli.cluster.slurm import SlurmError, allocation_hosts
 from cona_cli.strategy import Strategy, StrategyError, divisibility_problems
 
 
@@ -49,16 +50,19 @@ def _empty(factory: Callable[[], Any]) -> Any:
     return field(default_factory=factory, metadata={"check": None})
 
 
+MODEL_FAMILIES = ("gpt",)  # the families of `launch.models` (a test keeps the two in step)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer (nanoGPT/Llama style: RMSNorm, RoPE, SwiGLU-free GELU MLP)."""
+    """A transformer of one of the registered families (`launch.models`)."""
 
     n_layers: int = _f(check=_positive)
     d_model: int = _f(check=_positive)
     n_heads: int = _f(check=_positive)
     ffn: int = _f(check=_positive)
     seq_len: int = _f(check=_positive)
-    family: str = _f("gpt", _one_of("gpt"))
+    family: str = _f("gpt", _one_of(*MODEL_FAMILIES))
     n_kv_heads: int | None = _f(None, _positive)
     dropout: float = _f(0.0, _fraction)
 
@@ -137,7 +141,7 @@ def _node_spec(item: Any, where: str) -> NodeSpec:
         if extra:
             raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown key (known: env, host, workdir)")
         env = item.get("env") or {}
-        if not _type_ok(env, dict[str, str]):
+        if not type_ok(env, dict[str, str]):
             raise ConfigError(f"{where}.env: must be a mapping of names to strings")
         workdir = item.get("workdir")
         if workdir is not None and not isinstance(workdir, str):
@@ -165,8 +169,6 @@ def _build_cluster(raw: Any) -> ClusterConfig:
         raw.setdefault("launcher", "ssh")
         raw["nodes"] = len(hosts)
     elif nodes == "slurm":
-        from cona_cli.cluster import SlurmError, allocation_hosts
-
         raw.setdefault("launcher", "slurm")
         try:
             raw["nodes"] = len(allocation_hosts())
@@ -223,8 +225,8 @@ class SearchConfig:
     hardware: str = _f("cpu-local")
     gbs_min: int | None = _f(None, _positive)
     gbs_max: int | None = _f(None, _positive)
-    gbs_ladder: list[int] | None = _f(None)
-    mbs: list[int] | None = _f(None)
+    gbs_ladder: list[int] | None = _f(None, _positive)
+    mbs: list[int] | None = _f(None, _positive)
     max_tp: int | None = _f(None, _positive)
     tp_within_node: bool = _f(True)
     gbs_static: int | None = _f(None, _positive)
@@ -289,16 +291,16 @@ _TOP_KEYS = set(_SECTIONS) | {"strategy", "chain", "policy"}
 POLICIES = ("cona", "static", "chain")
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
+def type_ok(value: Any, hint: Any) -> bool:
     if get_origin(hint) is dict:
         key, item = get_args(hint)
-        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, item) for k, v in value.items())
+        return isinstance(value, dict) and all(type_ok(k, key) and type_ok(v, item) for k, v in value.items())
     if get_origin(hint) is list:
         (item,) = get_args(hint)
-        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+        return isinstance(value, list) and all(type_ok(v, item) for v in value)
     args = get_args(hint)
     if args:  # Optional[...] / unions
-        return any(_type_ok(value, a) for a in args)
+        return any(type_ok(value, a) for a in args)
     if hint is type(None):
         return value is None
     if hint is float:
@@ -308,14 +310,14 @@ def _type_ok(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
-def _type_name(hint: Any) -> str:
+def type_name(hint: Any) -> str:
     args = [a for a in get_args(hint) if a is not type(None)]
     if get_origin(hint) is list:
-        return f"a list of {_type_name(args[0])}"
+        return f"a list of {type_name(args[0])}"
     if get_origin(hint) is dict:
-        return "a mapping of names to " + ("strings" if args[1] is str else _type_name(args[1]))
+        return "a mapping of names to " + ("strings" if args[1] is str else type_name(args[1]))
     if args:
-        return _type_name(args[0])
+        return type_name(args[0])
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
 
 
@@ -338,8 +340,8 @@ def _build_section(cls: type, raw: Any, name: str) -> Any:
         value = raw[fname]
         if hints[fname] is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if not _type_ok(value, hints[fname]):
-            raise ConfigError(f"{name}.{fname}: must be {_type_name(hints[fname])}, got {value!r}")
+        if not type_ok(value, hints[fname]):
+            raise ConfigError(f"{name}.{fname}: must be {type_name(hints[fname])}, got {value!r}")
         check = f.metadata.get("check")
         if value is not None and check is not None:
             items = value if isinstance(value, list) else [value]
@@ -407,8 +409,34 @@ def config_from_dict(raw: Any, source: str = "<config>") -> Config:
     if auto and "policy" not in raw:
         policy = "static"
     cfg = Config(**sections, strategy=strategy, chain=chain, policy=policy, source=source, auto_strategy=auto)
+    problem = cross_field_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     validate_strategies(cfg)
     return cfg
+
+
+def cross_field_problem(cfg: Config) -> str | None:
+    """The first rule between two or more keys that the config breaks, as `key: why` (None if none)."""
+    m, t, s = cfg.model, cfg.train, cfg.search
+    if m.d_model % m.n_heads:
+        return f"model.d_model: {m.d_model} is not divisible by model.n_heads {m.n_heads}"
+    if (m.d_model // m.n_heads) % 2:
+        return f"model.d_model: the head size d_model / n_heads = {m.d_model // m.n_heads} must be even (RoPE)"
+    if m.n_heads % m.kv_heads:
+        return f"model.n_kv_heads: {m.kv_heads} does not divide model.n_heads {m.n_heads}"
+    if t.decay_tokens is not None and t.warmup_tokens > t.decay_tokens:
+        return f"train.warmup_tokens: {t.warmup_tokens} is more than train.decay_tokens {t.decay_tokens}"
+    if t.target_ppl is not None and t.eval_interval is None and t.eval_interval_s is None:
+        return "train.target_ppl: needs evaluations (train.eval_interval or train.eval_interval_s)"
+    lowest = s.gbs_min or s.gbs_static or cfg.cluster.world
+    if not s.gbs_ladder and s.gbs_max is not None and s.gbs_max < lowest:  # (an explicit ladder wins)
+        below = f"search.gbs_min {s.gbs_min}" if s.gbs_min else \
+            f"search.gbs_static {s.gbs_static}" if s.gbs_static else f"the world size {cfg.cluster.world}"
+        return f"search.gbs_max: {s.gbs_max} is below {below} (the ladder's lowest rung)"
+    if s.n_initial > s.budget:
+        return f"search.n_initial: {s.n_initial} initial points exceed search.budget {s.budget}"
+    return None
 
 
 def validate_strategies(cfg: Config) -> None:

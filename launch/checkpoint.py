@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from cona_cli.checkpoints import MARKER, TRAINER_STATE, committed, read_trainer_state, step_dir
+from cona_cli.rundir import MARKER, TRAINER_STATE, committed, read_trainer_state, step_dir
 
 # Flattened optimizer state: the default nests param_groups in one pickled entry that DCP keeps from
 # a single rank, which breaks Adam under pipeline parallelism (KeyError: 'betas').

@@ -28,6 +28,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cona_cli.config import DataConfig
+from launch.models.spec import IGNORE_INDEX, Batch, BatchFn, next_token_batch
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,6 @@ _FORMAT_VERSION = 1  # bump when the cache layout or tokenization changes
 _SYNTHETIC_VERSION = 1  # bump when the synthetic language generator changes
 _VALID_FRACTION = 0.1
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class DataError(ValueError):
@@ -262,8 +262,9 @@ def _generate(lang: tuple, n: int, rng: np.random.Generator) -> str:
 class TokenStream:
     """One split, memory-mapped: seq_len + 1 token windows addressed by global sample index."""
 
-    def __init__(self, path: str, seq_len: int, seed: int) -> None:
+    def __init__(self, path: str, seq_len: int, seed: int, batch: BatchFn = next_token_batch) -> None:
         self.path = path
+        self.batch = batch  # the model family's (windows, sample ids) -> (inputs, targets)
         self.seq_len = seq_len
         self.seed = seed
         self.tokens = np.load(path, mmap_mode="r")
@@ -283,11 +284,13 @@ class TokenStream:
             self._perms[epoch] = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.n)
         return self._perms[epoch]
 
-    def windows(self, ks: np.ndarray) -> Batch:
-        """Windows `ks` (positions in the unpermuted split): inputs and targets, LongTensor [len(ks), seq_len]."""
-        offsets = np.asarray(ks, dtype=np.int64)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+    def windows(self, ks: np.ndarray, ids: np.ndarray | None = None) -> Batch:
+        """Windows `ks` (positions in the unpermuted split) as the family's inputs and targets, e.g.
+        LongTensor [len(ks), seq_len] each; `ids` are the samples' global indices (default `ks`)."""
+        ks = np.asarray(ks, dtype=np.int64)
+        offsets = ks[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         w = torch.from_numpy(self.tokens[offsets].astype(np.int64))
-        return w[:, :-1], w[:, 1:]
+        return self.batch(w, torch.from_numpy(ks if ids is None else ids))
 
     def samples(self, start: int, count: int) -> Batch:
         """Global sample indices [start, start + count): inputs [count, seq_len], targets shifted by one."""
@@ -297,7 +300,7 @@ class TokenStream:
         for e in np.unique(epochs):
             sel = epochs == e
             ks[sel] = self._perm(int(e))[js[sel]]
-        return self.windows(ks)
+        return self.windows(ks, idx)
 
 
 def _split(batch: Batch, mbs: int) -> list[Batch]:
@@ -315,13 +318,11 @@ def replica_microbatches(stream: TokenStream, consumed: int, gbs: int, dp: int, 
 
 
 def eval_batches(path: str, seq_len: int, eval_tokens: int, gbs: int, dp: int, dp_rank: int,
-                 mbs: int) -> list[list[Batch]]:
+                 mbs: int, batch: BatchFn = next_token_batch) -> list[list[Batch]]:
     """The fixed validation slice (the first max(1, eval_tokens // seq_len) windows, the same under every
     layout) cut into steps of gbs samples; each step is replica `dp_rank`'s micro-batches of mbs, like a
-    training step. The last step is padded: inputs with token 0, targets with IGNORE (no loss)."""
-    from launch.model import IGNORE
-
-    stream = TokenStream(path, seq_len, seed=0)
+    training step. The last step is padded: inputs with token 0, targets with IGNORE_INDEX (no loss)."""
+    stream = TokenStream(path, seq_len, seed=0, batch=batch)
     n = max(1, eval_tokens // seq_len)
     if len(stream) < n:
         raise DataError(f"{path}: {len(stream)} windows of {seq_len + 1} tokens, eval_tokens needs {n}")
@@ -329,7 +330,7 @@ def eval_batches(path: str, seq_len: int, eval_tokens: int, gbs: int, dp: int, d
     pad = -n % gbs
     if pad:
         x = torch.cat([x, torch.zeros(pad, seq_len, dtype=x.dtype)])
-        y = torch.cat([y, torch.full((pad, seq_len), IGNORE, dtype=y.dtype)])
+        y = torch.cat([y, torch.full((pad, seq_len), IGNORE_INDEX, dtype=y.dtype)])
     per = gbs // dp
     steps = []
     for start in range(0, n + pad, gbs):

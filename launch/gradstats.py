@@ -11,7 +11,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launch.parallelize import ParallelModel, _local, counts_here
+from launch.parallelize import ParallelModel, counts_here, local_tensor
 
 
 def _sq(tensors: list[torch.Tensor]) -> float:
@@ -27,7 +27,7 @@ def local_grad_sq(pm: ParallelModel) -> float:
 
 @torch.no_grad()
 def scale_grads(pm: ParallelModel, factor: float) -> None:
-    grads = [_local(p.grad) for p in pm.model.parameters() if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in pm.model.parameters() if p.grad is not None]
     if grads and factor != 1.0:
         torch._foreach_mul_(grads, factor)
 
@@ -95,5 +95,5 @@ class SmallBatchNorms:
     def _first_microbatch_hook(self, p: torch.nn.Parameter) -> None:
         self._hooks.pop(p).remove()
         if counts_here(p.grad, self.pm.coord, ("tp",)):
-            flat = _local(p.grad).reshape(-1)
+            flat = local_tensor(p.grad).reshape(-1)
             self._pending.append(torch.dot(flat, flat))

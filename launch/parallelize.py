@@ -1,14 +1,16 @@
-"""Apply a (dp, tp, pp) layout to a plain GPT: pipeline split, then tensor parallel, then data parallel.
+"""Apply a (dp, tp, pp) layout to a plain model: pipeline split, then tensor parallel, then data parallel.
 
 `parallelize(model, mesh, strategy)` returns a `ParallelModel` that runs one step's micro-batches
 (pipeline schedule when pp > 1, gradient accumulation when pp = 1) and knows which of its
 parameters' gradient shards each rank must count so that norms cover the whole model exactly once.
+What is particular to a model family (its TP plan, pipeline split and loss) comes from its `ModelSpec`.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -17,67 +19,42 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cona_cli.strategy import Strategy
-from launch.model import GPT, loss_fn
-
-
-def split_for_stage(model: GPT, pp_rank: int, pp: int) -> None:
-    """Keep only this pipeline stage's layers (global indices kept as keys); drop ends it does not hold."""
-    n = len(model.layers)
-    per_stage = n // pp
-    owned = set(range(pp_rank * per_stage, (pp_rank + 1) * per_stage))
-    for key in list(model.layers.keys()):
-        if int(key) not in owned:
-            del model.layers[key]
-    if pp_rank != 0:
-        model.tok_embeddings = None
-    if pp_rank != pp - 1:
-        model.norm = None
-        model.output = None
-
-
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style TP: column-parallel q/k/v and w1, row-parallel wo and w2, vocab-parallel ends."""
-    if model.tok_embeddings is not None:
-        parallelize_module(model, tp_mesh, {"tok_embeddings": RowwiseParallel(input_layouts=Replicate())})
-    if model.output is not None:
-        parallelize_module(model, tp_mesh, {"output": ColwiseParallel(output_layouts=Replicate())})
-    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
+from launch.models.spec import Batch, ModelSpec
 
 
 @dataclass
 class ParallelModel:
     """The local piece of the model under a layout, and how to run a step on it."""
 
-    model: GPT  # unwrapped local module: the state dict and the optimiser use it
+    model: nn.Module  # unwrapped local module: the state dict and the optimiser use it
     wrapped: nn.Module  # what runs forward (DDP / FSDP / plain)
     mesh: DeviceMesh
     strategy: Strategy
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     schedule: object | None = None
     coord: dict[str, int] = field(default_factory=dict)  # this rank's (pp, dp, tp) coordinates
     dp_group: dist.ProcessGroup | None = None  # set when gradients are averaged here, not by DDP/FSDP
 
     def counted_grads(self, dims: tuple[str, ...]) -> list[torch.Tensor]:
         """Local gradient pieces this rank counts (see `counts_here`)."""
-        return [_local(p.grad) for p in self.model.parameters()
+        return [local_tensor(p.grad) for p in self.model.parameters()
                 if p.grad is not None and counts_here(p.grad, self.coord, dims)]
 
     @property
     def is_first(self) -> bool:
-        return self.model.tok_embeddings is not None
+        """This rank's stage takes the token inputs."""
+        return self.coord["pp"] == 0
 
     @property
     def is_last(self) -> bool:
-        return self.model.output is not None
+        """This rank's stage computes the loss."""
+        return self.coord["pp"] == self.strategy.pp - 1
 
-    def forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def forward_backward(self, micro: list[Batch]) -> float:
         """Run the step's micro-batches with backward; returns the summed micro-batch losses (last stage)."""
         if self.schedule is not None:
             total = self._pipeline(micro, train=True)
@@ -87,7 +64,7 @@ class ParallelModel:
             for i, (x, y) in enumerate(micro):
                 sync = i == m - 1 or not isinstance(self.wrapped, DDP)
                 with nullcontext() if sync else self.wrapped.no_sync():
-                    loss = loss_fn(self.wrapped(x), y)
+                    loss = self.loss(self.wrapped(x), y)
                     (loss / m).backward()
                 total += loss.item()
         return total
@@ -97,7 +74,7 @@ class ParallelModel:
         the local (TP-sharded) gradients in one flat all-reduce over the dp group."""
         if self.dp_group is None:
             return
-        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
         flat /= self.strategy.dp
@@ -107,13 +84,13 @@ class ParallelModel:
             offset += g.numel()
 
     @torch.no_grad()
-    def evaluate(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def evaluate(self, micro: list[Batch]) -> float:
         """Forward only; returns the summed micro-batch losses (last stage)."""
         if self.schedule is not None:
             return self._pipeline(micro, train=False)
-        return sum(loss_fn(self.wrapped(x), y).item() for x, y in micro)
+        return sum(self.loss(self.wrapped(x), y).item() for x, y in micro)
 
-    def _pipeline(self, micro: list[tuple[torch.Tensor, torch.Tensor]], train: bool) -> float:
+    def _pipeline(self, micro: list[Batch], train: bool) -> float:
         x = torch.cat([m[0] for m in micro]) if self.is_first else None
         y = torch.cat([m[1] for m in micro]) if self.is_last else None
         losses: list[torch.Tensor] = []
@@ -123,7 +100,8 @@ class ParallelModel:
         return float(sum(loss.item() for loss in losses))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor; a plain tensor as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -143,14 +121,14 @@ def counts_here(grad: torch.Tensor, coord: dict[str, int], dims: tuple[str, ...]
     return all(coord[d] == 0 for d in dims if d not in sharded)
 
 
-def parallelize(model: GPT, mesh: DeviceMesh, strategy: Strategy, *, dp_impl: str = "ddp",
+def parallelize(model: nn.Module, mesh: DeviceMesh, strategy: Strategy, spec: ModelSpec, *, dp_impl: str = "ddp",
                 pp_schedule: str = "1f1b") -> ParallelModel:
     """Apply the layout in a fixed order: pipeline split, tensor parallel, data parallel, schedule."""
     pp_rank = mesh["pp"].get_local_rank()
     if strategy.pp > 1:
-        split_for_stage(model, pp_rank, strategy.pp)
+        spec.pipeline_split(model, pp_rank, strategy.pp)
     if strategy.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+        parallelize_module(model, mesh["tp"], spec.tp_plan(model))
     wrapped: nn.Module = model
     if dp_impl == "fsdp":
         dp_mesh = mesh["dp"]
@@ -159,7 +137,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, strategy: Strategy, *, dp_impl: st
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=strategy.pp == 1)
     elif strategy.dp > 1 and strategy.tp == 1 and strategy.pp == 1:
         wrapped = DDP(model, process_group=mesh["dp"].get_group(), forward_sync_buffers=False)
-    pm = ParallelModel(model=model, wrapped=wrapped, mesh=mesh, strategy=strategy,
+    pm = ParallelModel(model=model, wrapped=wrapped, mesh=mesh, strategy=strategy, loss=spec.loss,
                        coord=dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())))
     if dp_impl == "ddp" and strategy.dp > 1 and wrapped is model:
         # Measured with torch 2.13 on gloo: DDP's reducer rejects DTensor parameters under TP (mixed
@@ -170,7 +148,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, strategy: Strategy, *, dp_impl: st
     if strategy.pp > 1:
         stage = PipelineStage(wrapped, pp_rank, strategy.pp, torch.device("cpu"), group=mesh["pp"].get_group())
         schedule_cls = Schedule1F1B if pp_schedule == "1f1b" else ScheduleGPipe
-        pm.schedule = schedule_cls(stage, n_microbatches=strategy.n_microbatches, loss_fn=loss_fn)
+        pm.schedule = schedule_cls(stage, n_microbatches=strategy.n_microbatches, loss_fn=spec.loss)
     return pm
 
 

@@ -25,20 +25,19 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from cona_cli.checkpoints import BAD_CHECKPOINT_EXIT
 from cona_cli.config import Config, config_from_json
+from cona_cli.gns import NoiseScale, two_batch_estimate
+from cona_cli.rundir import BAD_CHECKPOINT_EXIT, RunDir
 from cona_cli.strategy import Strategy
 from launch import checkpoint, testhooks
 from launch.data import CorpusInfo, TokenStream, eval_batches, replica_microbatches
-from cona_cli.gns import NoiseScale, two_batch_estimate
 from launch.gradstats import SmallBatchNorms, local_grad_sq, scale_grads
 from launch.lr import learning_rate
-from launch.model import GPT, GPTArgs
+from launch.models import get_spec
+from launch.models.spec import Batch
 from launch.parallelize import ParallelModel, build_mesh, parallelize
-from launch.telemetry import TelemetryClient
+from launch.telemetry_client import TelemetryClient
 
-CORPUS_FILE = "corpus.json"
-CONFIG_FILE = "config.resolved.json"
 _STOP_COMMAND, _STOP_TIME = 1.0, 2.0
 
 
@@ -66,22 +65,23 @@ class StepOut(NamedTuple):
 class Worker:
     def __init__(self, cfg: Config, run_dir: Path, strategy: Strategy, launch: int) -> None:
         self.cfg, self.run_dir, self.strategy, self.launch = cfg, run_dir, strategy, launch
+        self.files = RunDir(run_dir)
         self.rank = dist.get_rank()
         self.run_start = float(os.environ.get("CONA_RUN_START", time.time()))
-        corpus = CorpusInfo.from_json((run_dir / CORPUS_FILE).read_text())
+        corpus = CorpusInfo.from_json(self.files.corpus.read_text())
         m = cfg.model
+        self.spec = get_spec(m.family)
         self.seq_len = m.seq_len
-        self.train_stream = TokenStream(corpus.train_path, m.seq_len, cfg.train.seed)
+        self.train_stream = TokenStream(corpus.train_path, m.seq_len, cfg.train.seed, self.spec.batch)
         self.valid_path = corpus.valid_path
         device = "cuda" if cfg.cluster.backend == "nccl" else "cpu"
         self.mesh = build_mesh(strategy, device)
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
         self.pp_rank = self.mesh["pp"].get_local_rank()
-        model = GPT(GPTArgs(m.n_layers, m.d_model, m.n_heads, m.kv_heads, m.ffn, m.seq_len,
-                            corpus.vocab_size, m.dropout))
+        model = self.spec.build(m, corpus.vocab_size)
         model.init_weights(cfg.train.seed)
-        self.pm: ParallelModel = parallelize(model, self.mesh, strategy, dp_impl=cfg.train.dp_impl,
+        self.pm: ParallelModel = parallelize(model, self.mesh, strategy, self.spec, dp_impl=cfg.train.dp_impl,
                                              pp_schedule=cfg.train.pp_schedule)
         t = cfg.train
         self.opt = torch.optim.AdamW(self.pm.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
@@ -89,13 +89,13 @@ class Worker:
         self.state = TrainerState()
         self.small = SmallBatchNorms(self.pm) if t.gns and t.dp_impl == "ddp" else None
         self.noise = NoiseScale(window=t.gns_window)
-        self.ckpt_root = run_dir / "checkpoints"
+        self.ckpt_root = self.files.checkpoints
         self.telemetry = TelemetryClient() if self.rank == 0 else None
         self.had_controller = self.telemetry is not None and self.telemetry.connected
         self.stop_requested = False
         self.saved: tuple[int, Path] | None = None  # (step, path) of the checkpoint this state is in
         self.last_save_time = self.now()
-        self.metrics = open(run_dir / "metrics.jsonl", "a") if self.rank == 0 else None
+        self.metrics = open(self.files.metrics, "a") if self.rank == 0 else None
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -218,10 +218,11 @@ class Worker:
         return val_loss, math.exp(min(val_loss, 50.0))
 
     @functools.cached_property
-    def eval_set(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    def eval_set(self) -> list[list[Batch]]:
         """This replica's share of the fixed validation slice, built once per launch."""
         s = self.strategy
-        return eval_batches(self.valid_path, self.seq_len, self.cfg.train.eval_tokens, s.gbs, s.dp, self.dp_rank, s.mbs)
+        return eval_batches(self.valid_path, self.seq_len, self.cfg.train.eval_tokens, s.gbs, s.dp, self.dp_rank,
+                            s.mbs, self.spec.batch)
 
     def run_eval(self) -> float:
         val_loss, val_ppl = self.evaluate()
@@ -301,7 +302,8 @@ def main() -> None:
     parser.add_argument("--resume", type=Path)
     parser.add_argument("--stop-step", type=int)
     args = parser.parse_args()
-    cfg = config_from_json((args.run_dir / CONFIG_FILE).read_text(), str(args.run_dir / CONFIG_FILE))
+    resolved = RunDir(args.run_dir).resolved_config
+    cfg = config_from_json(resolved.read_text(), str(resolved))
     backend = "nccl" if cfg.cluster.backend == "nccl" else "gloo"
     dist.init_process_group(backend)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -319,7 +321,7 @@ def main() -> None:
             os._exit(BAD_CHECKPOINT_EXIT)
     result = worker.train(args.stop_step, fresh=args.resume is None)
     if worker.rank == 0:
-        out = args.run_dir / "launches" / f"{args.launch:03d}.json"
+        out = RunDir(args.run_dir).launch_outcome(args.launch)
         out.parent.mkdir(exist_ok=True)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(result))

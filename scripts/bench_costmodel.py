@@ -19,9 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cona_cli.calibration import Calibrator, read_recording
+from cona_cli.planner.calibration import Calibrator, read_recording
 from cona_cli.config import Config, load_config
-from cona_cli.costmodel import Workload, as_array, iteration_time, load_hardware
+from cona_cli.planner.costmodel import as_array, iteration_time
+from cona_cli.planner.hardware import load_hardware
+from cona_cli.planner.workload import Workload
 from cona_cli.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parent.parent

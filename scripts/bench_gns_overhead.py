@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--gbs", type=int, default=32)
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
-    from cona_cli.train_cli import make_policy, prepare_run_dir, resolve_config
+    from cona_cli.control.run_setup import make_policy, prepare_run_dir, resolve_config
 
     cfg, _ = make_policy(resolve_config(args.config, f"dp4-tp1-pp1-mbs2-gbs{args.gbs}", None, None))
     with tempfile.TemporaryDirectory() as tmp:

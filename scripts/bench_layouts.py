@@ -29,8 +29,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from cona_cli.rundir import RunDir  # noqa: E402
 from cona_cli.strategy import Strategy  # noqa: E402
-from cona_cli.train_cli import prepare_run_dir, resolve_config  # noqa: E402
+from cona_cli.control.run_setup import prepare_run_dir, resolve_config  # noqa: E402
 
 
 def measure_layouts(run_dir: Path, world: int, gbs: str, steps: int, rounds: int, min_s: float) -> dict:
@@ -62,22 +63,21 @@ def plain_vs_cona(run_dir: Path, gbs: int, steps: int) -> tuple[float, float]:
     import torch.distributed as dist
 
     from cona_cli.config import config_from_json
-    from launch.model import GPT, GPTArgs, loss_fn
     from launch.worker import Worker
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
-    cfg = config_from_json((run_dir / "config.resolved.json").read_text(), "bench")
+    cfg = config_from_json(RunDir(run_dir).resolved_config.read_text(), "bench")
     w = Worker(cfg, run_dir, Strategy(1, 1, 1, gbs, gbs), launch=1)
     m, t = cfg.model, cfg.train
-    model = GPT(GPTArgs(m.n_layers, m.d_model, m.n_heads, m.kv_heads, m.ffn, m.seq_len, w.pm.model.args.vocab_size))
+    model = w.spec.build(m, RunDir(run_dir).vocab_size())
     model.init_weights(t.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     x, y = w.train_stream.samples(0, gbs)
 
     def plain_step() -> None:
         opt.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
+        w.spec.loss(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
 

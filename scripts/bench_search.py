@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from cona_cli.calibration import Calibrator
+from cona_cli.planner.calibration import Calibrator
 from cona_cli.config import Config, config_from_dict, load_config
-from cona_cli.costmodel import Workload, load_hardware
-from cona_cli.search import plan
+from cona_cli.planner.hardware import load_hardware
+from cona_cli.planner.workload import Workload
+from cona_cli.planner.search import plan
 
 GPT3_6B7 = {
     "model": {"n_layers": 32, "d_model": 4096, "n_heads": 32, "ffn": 16384, "seq_len": 2048},

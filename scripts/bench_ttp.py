@@ -25,7 +25,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cona_cli.space import gbs_ladder  # noqa: E402
+from cona_cli.planner.space import gbs_ladder  # noqa: E402
 from cona_cli.config import load_config  # noqa: E402
 
 

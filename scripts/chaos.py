@@ -25,9 +25,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cona_cli import checkpoints  # noqa: E402
-from cona_cli.controller import expected_shapes  # noqa: E402
-from cona_cli.runstate import RunState  # noqa: E402
+from cona_cli.control import usable_checkpoints as checkpoints  # noqa: E402
+from cona_cli.control.usable_checkpoints import expected_shapes  # noqa: E402
+from cona_cli.control.runstate import RunState  # noqa: E402
 from tests.support import TINY, write_config  # noqa: E402
 
 STEPS = 30
@@ -75,12 +75,13 @@ def checkpoint_loads(path: Path, shapes: checkpoints.Shapes, cfg_doc: dict, voca
     """Load the model tensors of a committed checkpoint in this process."""
     import torch.distributed.checkpoint as dcp
 
-    from launch.model import GPT, GPTArgs
+    from cona_cli.config import config_from_dict
+    from launch.models import get_spec
 
     if checkpoints.problem(path, shapes) is not None:
         return False
-    m = cfg_doc["model"]
-    model = GPT(GPTArgs(m["n_layers"], m["d_model"], m["n_heads"], m["n_heads"], m["ffn"], m["seq_len"], vocab, 0.0))
+    m = config_from_dict(cfg_doc).model
+    model = get_spec(m.family).build(m, vocab)
     try:
         dcp.load({"model": model.state_dict()}, checkpoint_id=str(path))
     except BaseException:  # DCP's CheckpointException is a BaseException

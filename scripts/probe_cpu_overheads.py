@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from launch.model import GPT, GPTArgs, loss_fn
+from launch.models.gpt import GPT, GPTArgs, loss_fn
 
 LAYERS = (1, 2, 4, 8)
 

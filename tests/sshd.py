@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cona_cli.cluster import free_port
+from cona_cli.cluster.nodes import free_port
 
 
 @dataclass

@@ -10,12 +10,16 @@ import sys
 import numpy as np
 import pytest
 
-from cona_cli.calibration import UNCALIBRATED_REL_STD, Calibrator
-from cona_cli.costmodel import Workload, as_array, iteration_time, load_hardware
+from cona_cli.planner.calibration import UNCALIBRATED_REL_STD, Calibrator
+from cona_cli.planner.costmodel import as_array, iteration_time
+from cona_cli.planner.hardware import load_hardware
+from cona_cli.planner.workload import Workload
+from launch.models.shape import ModelShape
 from cona_cli.strategy import Strategy
 from tests.support import REPO
 
-W = Workload(n_layers=4, d_model=64, n_heads=4, kv_heads=4, ffn=256, seq_len=64, vocab=512, procs_per_node=4)
+W = Workload(ModelShape(n_layers=4, d_model=64, n_heads=4, kv_heads=4, ffn=256, seq_len=64, vocab=512),
+             procs_per_node=4)
 LAYOUTS = [Strategy(dp, tp, pp, mbs, 32) for (dp, tp, pp), mbs in itertools.product(
     [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (1, 4, 1)], [1, 4])]
 

@@ -15,13 +15,13 @@ import pytest
 from typer.testing import CliRunner
 
 from cona_cli.app import app
-from cona_cli.cluster import (ClusterError, Node, Rendezvous, SlurmError, allocation_hosts, expand_nodelist,
-                              rendezvous, resolve_nodes, torchrun_args)
+from cona_cli.cluster.nodes import ClusterError, Node, Rendezvous, rendezvous, resolve_nodes, torchrun_args
+from cona_cli.cluster.slurm import SlurmError, allocation_hosts, expand_nodelist
 from cona_cli.config import ConfigError, config_from_dict, load_config
-from cona_cli.failures import failed_host, parse_failure
-from cona_cli.launchers import Agent, LocalLauncher, SlurmLauncher, SshLauncher
-from cona_cli.sbatch import sbatch_script
-from cona_cli.storage import check_shared
+from cona_cli.control.failures import failed_host, parse_failure
+from cona_cli.cluster.launchers import Agent, LocalLauncher, SlurmLauncher, SshLauncher
+from cona_cli.cluster.sbatch import sbatch_script
+from cona_cli.cluster.shared_storage import check_shared
 from tests.support import REPO, TINY, write_config
 
 
@@ -117,7 +117,7 @@ def test_ssh_command_runs_the_node_agent_and_sends_the_environment_on_stdin() ->
     cmd = ssh.command(node)
     assert cmd[:4] == ["ssh", "-T", "-o", "BatchMode=yes"] and cmd[4:7] == ["-p", "2222", "alice@10.0.0.1"]
     assert shlex.split(cmd[7]) == ["cd", "/shared/my project", "&&", "exec", "/opt/venv/bin/python", "-m",
-                                   "launch.node_agent"]
+                                   "launch.node.agent"]
     env = ssh.remote_env(node, {"CONA_TELEMETRY_TOKEN": "secret"})
     assert env["NCCL_DEBUG"] == "WARN" and env["GLOO_SOCKET_IFNAME"] == "ib0"
     assert env["CONA_TELEMETRY_TOKEN"] == "secret" and "secret" not in " ".join(cmd)

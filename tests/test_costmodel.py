@@ -6,10 +6,13 @@ import numpy as np
 import pytest
 
 from cona_cli.config import ConfigError, load_config
-from cona_cli.costmodel import HARDWARE_DIR, Workload, as_array, hardware_from_dict, iteration_time, load_hardware
+from cona_cli.planner.costmodel import as_array, iteration_time
+from cona_cli.planner.hardware import HARDWARE_DIR, hardware_from_dict, load_hardware
+from cona_cli.planner.workload import Workload
+from launch.models.shape import ModelShape
 from cona_cli.strategy import Strategy
 
-W = Workload(n_layers=24, d_model=2048, n_heads=16, kv_heads=16, ffn=8192, seq_len=2048, vocab=50257,
+W = Workload(ModelShape(n_layers=24, d_model=2048, n_heads=16, kv_heads=16, ffn=8192, seq_len=2048, vocab=50257),
              precision="bf16", nodes=2, procs_per_node=8)
 
 
@@ -69,5 +72,5 @@ def test_placement_and_precision_matter():
 def test_gpt3_step_time_is_in_a_plausible_range():
     cfg = load_config("configs/gpt3-1.3b-a6000.yaml")
     t = _t(load_hardware("a6000-2x8"), Workload.from_config(cfg), "dp16-tp1-pp1-mbs4-gbs512")[0]
-    ideal = 6 * Workload.from_config(cfg).total_params * 512 * 2048 / (16 * 154.8e12)  # 100% of peak
+    ideal = 6 * Workload.from_config(cfg).shape.total_params * 512 * 2048 / (16 * 154.8e12)  # 100% of peak
     assert 1.5 * ideal < t < 4 * ideal

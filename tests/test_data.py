@@ -142,7 +142,7 @@ def test_layout_switch_continues_without_repeat_or_skip(ramp: str) -> None:
 
 def test_eval_batches_are_layout_independent(ramp: str) -> None:
     """The same fixed windows under every (gbs, dp, mbs), in order; the last step padded with IGNORE."""
-    from launch.model import IGNORE
+    from launch.models.spec import IGNORE_INDEX as IGNORE
 
     def layout(gbs: int, dp: int, mbs: int) -> tuple[list[int], int]:
         per_rank = [eval_batches(ramp, SEQ, 24 * SEQ, gbs, dp, r, mbs) for r in range(dp)]

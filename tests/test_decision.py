@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from cona_cli.decision import FallbackMonitor, decide, needed_ratio
-from cona_cli.surrogate import phi
+from cona_cli.control.switch_rule import FallbackMonitor, decide, needed_ratio
+from cona_cli.planner.surrogate import phi
 
 
 def test_switches_exactly_when_the_ratio_passes_the_threshold() -> None:

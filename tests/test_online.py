@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from cona_cli.config import config_from_dict
-from cona_cli.costmodel import load_hardware
-from cona_cli.online import ConaPolicy
+from cona_cli.planner.hardware import load_hardware
+from cona_cli.control.cona_policy import ConaPolicy
 from tests.support import TINY
 
 

@@ -3,34 +3,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from cona_cli import checkpoints
+from cona_cli import rundir
 from cona_cli.app import app
-from cona_cli.failures import parse_failure
+from cona_cli.config import ModelConfig
+from cona_cli.control import usable_checkpoints as checkpoints
+from cona_cli.control.failures import parse_failure
 from cona_cli.config import config_from_dict, parse_chain
-from cona_cli.policy import ChainPolicy
-from cona_cli.train_cli import make_policy
+from cona_cli.control.policies import ChainPolicy
+from cona_cli.control.run_setup import make_policy
 from tests.support import TINY, write_config
 
-SHAPE = dict(n_layers=2, d_model=16, n_heads=2, kv_heads=2, ffn=32, seq_len=8, vocab_size=64)
+MODEL = ModelConfig(n_layers=2, d_model=16, n_heads=2, ffn=32, seq_len=8)
+VOCAB = 64
 
 
 def _save(root: Path, step: int, d_model: int = 16) -> Path:
     """A checkpoint as the workers write it (one process, no process group needed)."""
     import torch.distributed.checkpoint as dcp
 
-    from launch.model import GPT, GPTArgs
+    from launch.models import get_spec
 
-    model = GPT(GPTArgs(2, d_model, 2, 2, 32, 8, 64, 0.0))
-    path = checkpoints.step_dir(root, step)
+    model = get_spec("gpt").build(dataclasses.replace(MODEL, d_model=d_model), VOCAB)
+    path = rundir.step_dir(root, step)
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(path))
-    (path / checkpoints.TRAINER_STATE).write_text(json.dumps({"trainer": {"step": step, "consumed_samples": step}}))
-    (path / checkpoints.MARKER).write_text(f"{step}\n")
+    (path / rundir.TRAINER_STATE).write_text(json.dumps({"trainer": {"step": step, "consumed_samples": step}}))
+    (path / rundir.MARKER).write_text(f"{step}\n")
     return path
 
 
@@ -41,8 +45,8 @@ def test_unusable_checkpoints_are_skipped_with_a_warning(tmp_path: Path) -> None
                                                 _save(root, 16))
     shard = next(truncated.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    (unmarked / checkpoints.MARKER).unlink()
-    shapes = checkpoints.model_shapes(**SHAPE)
+    (unmarked / rundir.MARKER).unlink()
+    shapes = checkpoints.model_shapes(MODEL, VOCAB)
     assert checkpoints.problem(oldest, shapes) is None
     warnings: list[str] = []
     path, skipped = checkpoints.newest_usable(root, shapes, warnings.append)
@@ -52,7 +56,7 @@ def test_unusable_checkpoints_are_skipped_with_a_warning(tmp_path: Path) -> None
     assert "step_000008" in warnings[2] and "truncated shard" in warnings[2]
     assert sorted(p.name for p in root.iterdir()) == ["bad-step_000008", "bad-step_000012", "bad-step_000016",
                                                       "step_000004"]
-    (oldest / checkpoints.TRAINER_STATE).write_text("{")
+    (oldest / rundir.TRAINER_STATE).write_text("{")
     path, skipped = checkpoints.newest_usable(root, shapes, warnings.append)
     assert path is None and skipped == 1 and "bad trainer.json" in warnings[-1]
 

@@ -13,9 +13,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from cona_cli.report import build_report, timeline
-from cona_cli.report_cli import report_command
-from cona_cli.runlog import read_run
+from cona_cli.report.build import build_report, timeline
+from cona_cli.commands.report import report_command
+from cona_cli.report.runlog import read_run
 from cona_cli.strategy import Strategy
 
 A, B, C = "dp4-tp1-pp1-mbs2-gbs16", "dp2-tp1-pp2-mbs2-gbs32", "dp4-tp1-pp1-mbs4-gbs64"

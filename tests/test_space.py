@@ -5,8 +5,11 @@ import dataclasses
 import numpy as np
 
 from cona_cli.config import config_from_dict, load_config
-from cona_cli.costmodel import Workload, as_array, load_hardware
-from cona_cli.space import enumerate_space, gbs_ladder, memory_bytes
+from cona_cli.planner.costmodel import as_array
+from cona_cli.planner.hardware import load_hardware
+from cona_cli.planner.workload import Workload
+from cona_cli.planner.memory import memory_bytes
+from cona_cli.planner.space import enumerate_space, gbs_ladder
 from cona_cli.strategy import Strategy
 
 GPT3 = "configs/gpt3-1.3b-a6000.yaml"
@@ -58,7 +61,7 @@ def test_memory_estimate_scales_as_expected():
     assert memory_bytes(x, dataclasses.replace(w, recompute=True))[0] < base
     assert memory_bytes(x, dataclasses.replace(w, pp_schedule="gpipe"))[0] > base  # 16 vs 4 in flight
     assert memory_bytes(x, dataclasses.replace(w, dp_impl="fsdp"))[0] < base
-    states = w.total_params * 16
+    states = w.shape.total_params * 16
     single = memory_bytes(as_array([Strategy(1, 1, 1, 1, 1)]), w)[0]
     assert states < single < states * 2
     assert np.isfinite(memory_bytes(x, w)).all()

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from cona_cli.telemetry import TelemetryServer
-from launch.telemetry import TelemetryClient
+from cona_cli.control.telemetry_server import TelemetryServer
+from launch.telemetry_client import TelemetryClient
 
 
 def _wait(cond, timeout: float = 5.0) -> None:

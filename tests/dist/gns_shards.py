@@ -14,7 +14,7 @@ import torch.distributed as dist
 from cona_cli.gns import two_batch_estimate
 from cona_cli.strategy import Strategy
 from launch.data import CorpusInfo, TokenStream, replica_microbatches
-from launch.model import GPT, GPTArgs, loss_fn
+from launch.models import get_spec
 from launch.worker import Worker
 from tests.dist.common import start
 
@@ -24,13 +24,13 @@ MBS, GBS = 2, 16
 def reference(cfg, corpus: CorpusInfo, s: Strategy) -> tuple[float, float]:
     """Single process: (|G|^2, tr(Sigma)) raw estimates for the first step under strategy s."""
     m = cfg.model
-    model = GPT(GPTArgs(m.n_layers, m.d_model, m.n_heads, m.kv_heads, m.ffn, m.seq_len, corpus.vocab_size))
+    model = get_spec(m.family).build(m, corpus.vocab_size)
     model.init_weights(cfg.train.seed)
     stream = TokenStream(corpus.train_path, m.seq_len, cfg.train.seed)
 
     def grad_sq(x: torch.Tensor, y: torch.Tensor) -> float:
         model.zero_grad()
-        loss_fn(model(x), y).backward()
+        get_spec(m.family).loss(model(x), y).backward()
         return float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
 
     big = grad_sq(*stream.samples(0, s.gbs))

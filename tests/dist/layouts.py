@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from cona_cli.strategy import Strategy
 from launch.data import CorpusInfo, TokenStream
 from launch.lr import learning_rate
-from launch.model import GPT, GPTArgs, loss_fn
+from launch.models import get_spec
 from launch.worker import Worker
 from tests.dist.common import start
 
@@ -30,7 +30,7 @@ RESHARD = [((2, 2, 1, 2, 16), (4, 1, 1, 2, 16)), ((4, 1, 1, 2, 16), (1, 2, 2, 2,
 def reference_losses(cfg, corpus: CorpusInfo, gbs: int, steps: int) -> list[float]:
     """Plain single-process training: the same init, data, clipping, AdamW and LR rule."""
     m, t = cfg.model, cfg.train
-    model = GPT(GPTArgs(m.n_layers, m.d_model, m.n_heads, m.kv_heads, m.ffn, m.seq_len, corpus.vocab_size))
+    model = get_spec(m.family).build(m, corpus.vocab_size)
     model.init_weights(t.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     stream = TokenStream(corpus.train_path, m.seq_len, t.seed)
@@ -40,7 +40,7 @@ def reference_losses(cfg, corpus: CorpusInfo, gbs: int, steps: int) -> list[floa
         for g in opt.param_groups:
             g["lr"] = learning_rate(t, step * gbs * m.seq_len, gbs)
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
+        loss = get_spec(m.family).loss(model(x), y)
         loss.backward()
         norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()))
         if t.grad_clip and norm > t.grad_clip:

@@ -1,0 +1,127 @@
+"""Start and stop one command per node with the tools clusters already have: local processes, ssh, srun.
+
+cona runs no process manager of its own: on each node the command is a torchrun agent (or the
+storage probe), and a launcher only starts it, signals it and reports its output and exit status.
+
+- `local`: one process per node on this machine, each in its own process group.
+- `ssh`: `ssh -T -o BatchMode=yes <node> 'cd WORKDIR && exec PYTHON -m launch.node.agent'`; the
+  command and the run's environment go over stdin (never on a command line), and stopping writes
+  `term`/`kill` to it. If the controller dies, ssh's stdin closes and the node stops its job.
+- `slurm`: one `srun --ntasks-per-node=1 --kill-on-bad-exit=1 --label` for all nodes of the allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from abc import ABC, abstractmethod
+from typing import Callable
+
+from cona_cli.cluster.nodes import Node
+from cona_cli.config import ClusterConfig
+
+ArgvFor = Callable[[Node | None], list[str]]  # the command for a node (None: one line for all nodes)
+FORWARDED_PREFIXES = ("CONA_",)  # variables of this process that ssh nodes get too
+
+
+class Agent:
+    """The local end of what runs for one node (under srun: for all nodes)."""
+
+    def __init__(self, label: str, nodes: list[Node], proc: subprocess.Popen, control: bool = False) -> None:
+        self.label, self.nodes, self.proc = label, nodes, proc
+        self.control = control  # stop through stdin lines (ssh) rather than local signals
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        """SIGTERM: checkpoint and stop; SIGKILL: stop now."""
+        if self.control and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write("kill\n" if sig == signal.SIGKILL else "term\n")
+                self.proc.stdin.flush()
+                return
+            except (BrokenPipeError, OSError, ValueError):
+                sig = signal.SIGKILL  # the connection is gone: only the local end is left to stop
+        self._killpg(sig)
+
+    def abandon(self) -> None:
+        """Kill the local end (an ssh client whose node stopped answering)."""
+        self._killpg(signal.SIGKILL)
+
+    def _killpg(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _popen(argv: list[str], env: dict[str, str], cwd: str | None = None,
+           stdin: int = subprocess.DEVNULL) -> subprocess.Popen:
+    return subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True, bufsize=1)
+
+
+class Launcher(ABC):
+    def __init__(self, cluster: ClusterConfig) -> None:
+        self.cluster = cluster
+
+    @abstractmethod
+    def start(self, nodes: list[Node], argv_for: ArgvFor, env: dict[str, str]) -> list[Agent]:
+        """Start the command on every node; `env` is added to each node's environment."""
+
+
+class LocalLauncher(Launcher):
+    def start(self, nodes: list[Node], argv_for: ArgvFor, env: dict[str, str]) -> list[Agent]:
+        return [Agent(n.name, [n], _popen(argv_for(n), {**os.environ, **self.cluster.env, **n.env, **env},
+                                          cwd=n.workdir)) for n in nodes]
+
+
+class SshLauncher(Launcher):
+    def command(self, node: Node) -> list[str]:
+        python = self.cluster.python or sys.executable
+        remote = f"cd {shlex.quote(node.workdir)} && exec {shlex.quote(python)} -m launch.node.agent"
+        return ["ssh", "-T", "-o", "BatchMode=yes", *self.cluster.ssh_args, node.name, remote]
+
+    def remote_env(self, node: Node, env: dict[str, str]) -> dict[str, str]:
+        forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
+        return {**forwarded, **self.cluster.env, **node.env, **env}
+
+    def start(self, nodes: list[Node], argv_for: ArgvFor, env: dict[str, str]) -> list[Agent]:
+        agents = []
+        for n in nodes:
+            proc = _popen(self.command(n), dict(os.environ), stdin=subprocess.PIPE)
+            agent = Agent(n.name, [n], proc, control=True)
+            try:
+                proc.stdin.write(json.dumps({"argv": argv_for(n), "env": self.remote_env(n, env)}) + "\n")
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass  # ssh already failed (host unreachable): its exit status and output tell
+            agents.append(agent)
+        return agents
+
+
+class SlurmLauncher(Launcher):
+    def command(self, nodes: list[Node]) -> list[str]:
+        n = len(nodes)
+        return ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                "--label", *self.cluster.srun_args]
+
+    def start(self, nodes: list[Node], argv_for: ArgvFor, env: dict[str, str]) -> list[Agent]:
+        argv = self.command(nodes) + argv_for(None)
+        return [Agent("srun", list(nodes), _popen(argv, {**os.environ, **self.cluster.env, **env}))]
+
+
+LAUNCHER_TYPES: dict[str, type[Launcher]] = {"local": LocalLauncher, "ssh": SshLauncher, "slurm": SlurmLauncher}
+
+
+def make_launcher(cluster: ClusterConfig) -> Launcher:
+    return LAUNCHER_TYPES[cluster.launcher](cluster)

@@ -1,0 +1,108 @@
+"""The nodes of a run and the torchrun command line each node's agent runs.
+
+A single-node `local` run keeps torchrun's `--standalone`. Otherwise every launch starts one torchrun
+agent per node; they meet in a c10d rendezvous (a fresh id, and by default a free port on the head
+node, per launch) whose store the head node's agent hosts. The head node is this machine, where the
+controller runs: the first of `cluster.nodes` for `ssh`, the first host of the allocation for
+`slurm` (an sbatch script runs there), loopback for `local`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from collections.abc import Mapping
+
+from cona_cli.cluster.slurm import SlurmError, allocation_hosts
+from cona_cli.config import ClusterConfig
+
+DEFAULT_RDZV_PORT = 29400  # torchrun's default, for an explicit endpoint host without a port
+
+
+class ClusterError(ValueError):
+    """The cluster cannot run this job (unreachable node, storage not shared); one line."""
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    name: str  # how logs and events name it: the ssh destination, the Slurm host, or nodeN (local)
+    addr: str  # the address other nodes reach it at
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = "."
+
+
+def resolve_nodes(cluster: ClusterConfig, environ: Mapping[str, str] | None = None) -> list[Node]:
+    """The nodes a launch runs on, in node order (node 0 is the head)."""
+    workdir = cluster.workdir or os.getcwd()
+    if cluster.launcher == "ssh":
+        return [Node(i, h.host, h.addr, dict(h.env), h.workdir or workdir) for i, h in enumerate(cluster.hosts)]
+    if cluster.launcher == "slurm":
+        hosts = allocation_hosts(environ)
+        if len(hosts) != cluster.nodes:
+            raise SlurmError(f"the allocation has {len(hosts)} nodes ({', '.join(hosts)}) but cluster.nodes is "
+                             f"{cluster.nodes}")
+        return [Node(i, h, h, {}, workdir) for i, h in enumerate(hosts)]
+    addr = cluster.head_addr or "127.0.0.1"
+    return [Node(i, f"node{i}", addr, {}, workdir) for i in range(cluster.nodes)]
+
+
+def is_multi_node(cluster: ClusterConfig) -> bool:
+    """Whether launches use a c10d rendezvous (anything but one local node)."""
+    return cluster.nodes > 1 or cluster.launcher != "local"
+
+
+def head_address(cluster: ClusterConfig, nodes: list[Node]) -> str:
+    """This machine's address as the workers reach it (telemetry, default rendezvous host)."""
+    if cluster.head_addr:
+        return cluster.head_addr
+    return "127.0.0.1" if cluster.launcher == "local" else nodes[0].addr
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now (an address of this machine)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    endpoint: str  # host:port of the c10d store
+    run_id: str
+    host_node: int | None  # the node whose agent hosts the store (None: torchrun decides by hostname)
+
+
+def rendezvous(cluster: ClusterConfig, nodes: list[Node], run_id: str) -> Rendezvous:
+    """The rendezvous of one launch: `cluster.rdzv_endpoint`, else the head node and a free port."""
+    if cluster.rdzv_endpoint:
+        host, sep, port = cluster.rdzv_endpoint.rpartition(":")
+        if not sep or not port.isdigit():
+            host, port = cluster.rdzv_endpoint, str(DEFAULT_RDZV_PORT)
+    else:
+        host = head_address(cluster, nodes)
+        try:
+            port = str(free_port(host))
+        except OSError as e:
+            raise ClusterError(f"cluster.head_addr: {host} is not an address of this machine ({e.strerror})") \
+                from None
+    # Under slurm one srun command line serves every node: torchrun matches the host name itself.
+    hosting = [] if cluster.launcher == "slurm" else [n.index for n in nodes if n.addr == host]
+    return Rendezvous(f"{host}:{port}", run_id, hosting[0] if hosting else None)
+
+
+def torchrun_args(cluster: ClusterConfig, node: Node | None, rdzv: Rendezvous | None) -> list[str]:
+    """`python -m torch.distributed.run ...` for one node (`node` None: the same line for all nodes)."""
+    args = [cluster.python or sys.executable, "-m", "torch.distributed.run", "--tee", "3",
+            f"--nproc-per-node={cluster.procs_per_node}"]
+    if rdzv is None:
+        return args + ["--standalone"]
+    args += [f"--nnodes={cluster.nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}",
+             f"--rdzv-id={rdzv.run_id}", "--max-restarts=0"]
+    if node is not None:
+        args.append(f"--local-addr={node.addr}")
+        if rdzv.host_node is not None:
+            args.append(f"--rdzv-conf=is_host={int(node.index == rdzv.host_node)}")
+    return args

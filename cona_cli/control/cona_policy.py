@@ -1,0 +1,243 @@
+"""The online CONA policy: climb the global-batch ladder when the surrogate says it pays.
+
+Every `decision_every` steps it compares the running strategy (measured median s/iter) with the
+frontier candidate (the best predicted strategy at the next rung) and with the best layout at the
+same rung, using Φ at the current smoothed GNS and the learned switch cost (`decision.decide`).
+A background thread recalibrates the iteration-time model from the measured step times and reruns
+the search whenever the measurements moved, and after every switch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from typing import Any
+
+from cona_cli.planner.calibration import Calibrator
+from cona_cli.config import Config
+from cona_cli.planner.hardware import HardwareProfile
+from cona_cli.planner.workload import Workload
+from cona_cli.control.switch_rule import FallbackMonitor, decide
+from cona_cli.control.policies import Policy, Stage
+from cona_cli.planner.search import Candidate, SearchResult, search_gbs
+from cona_cli.planner.space import enumerate_space, gbs_ladder
+from cona_cli.strategy import Strategy
+
+WARMUP_STEPS = 2  # first steps of a launch (pipeline shape inference, allocator) are not timed
+REMEASURE = 0.1  # rerun the search when the running strategy's median moved by this fraction
+SAMPLE_WINDOW = 100  # step times kept per strategy (the controller saves its state every few steps)
+
+
+def fastest_strategy(cfg: Config, hw: HardwareProfile) -> Strategy:
+    """What an offline planner picks: the shortest predicted iteration time at search.gbs_static."""
+    gbs = cfg.search.gbs_static or gbs_ladder(cfg)[0]
+    space = enumerate_space(cfg, hw, [gbs])
+    best = search_gbs(space, Calibrator(Workload.from_config(cfg), hw, seed=cfg.search.seed), gbs, cfg.search).best
+    if best is None:
+        raise ValueError(f"search: no feasible strategy at gbs {gbs}")
+    return best.strategy
+
+
+class ConaPolicy(Policy):
+    name = "cona"
+
+    def __init__(self, cfg: Config, hw: HardwareProfile) -> None:
+        super().__init__()
+        self.cfg, self.hw, self.s = cfg, hw, cfg.search
+        self.ladder = gbs_ladder(cfg)
+        self.space = enumerate_space(cfg, hw, self.ladder)
+        self.workload = Workload.from_config(cfg)
+        self.samples: dict[Strategy, list[float]] = {}  # measured s/iter of strategies that ran
+        self.switch_costs: list[float] = []
+        self.fallback = FallbackMonitor(self.s.fallback_patience)
+        self.previous: list[Strategy] = []  # strategies of the lower rungs we climbed from
+        self.blocked_until_step = 0  # after a fallback, no climbing for a patience window
+        self._lock = threading.Lock()
+        self._results: dict[int, SearchResult] = {}
+        self._searched_for: tuple[Strategy, float] | None = None
+        self._thread: threading.Thread | None = None
+        self._launch: int | None = None
+        self._launch_steps = 0
+        first = self._search_now(self.ladder[0]).best
+        if first is None:
+            raise ValueError(f"search: no feasible strategy at gbs {self.ladder[0]}")
+        self.current = Stage(first.strategy, None, "start")
+
+    # -- search ------------------------------------------------------------------------------
+
+    def _calibrated(self, samples: dict[Strategy, list[float]]) -> Calibrator:
+        cal = Calibrator(self.workload, self.hw, seed=self.s.seed)
+        for strategy, times in samples.items():
+            for t in times:
+                cal.add(strategy, t)
+        cal.fit()
+        return cal
+
+    def _search_now(self, gbs: int) -> SearchResult:
+        return search_gbs(self.space, self._calibrated(self.samples), gbs, self.s)
+
+    def _rungs_to_search(self) -> list[int]:
+        i = self.ladder.index(self.current.strategy.gbs)
+        return self.ladder[i:i + 2]  # the current rung (better layout?) and the next (frontier)
+
+    def _maybe_search(self) -> None:
+        """Start a background search if none runs and the calibration data moved enough."""
+        cur = self.current.strategy
+        median = statistics.median(self.samples[cur])
+        if self._thread is not None and self._thread.is_alive():
+            return
+        last = self._searched_for
+        if last is not None and last[0] == cur and abs(median - last[1]) <= REMEASURE * last[1]:
+            return
+        self._searched_for = (cur, median)
+        rungs = self._rungs_to_search()
+        snapshot = {s: list(v) for s, v in self.samples.items()}
+
+        def run() -> None:
+            cal = self._calibrated(snapshot)
+            results = {g: search_gbs(self.space, cal, g, self.s) for g in rungs}
+            with self._lock:
+                self._results.update(results)
+
+        self._thread = threading.Thread(target=run, name="cona-search", daemon=True)
+        self._thread.start()
+
+    def wait_for_search(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- policy ------------------------------------------------------------------------------
+
+    def first(self) -> Stage:
+        return self.current
+
+    def switch_cost(self) -> float:
+        if not self.switch_costs:
+            return self.s.switch_cost_s
+        return statistics.median(self.switch_costs)
+
+    def observe_switch(self, seconds: float) -> None:
+        self.switch_costs.append(seconds)
+
+    def on_metric(self, row: dict[str, Any]) -> Stage | None:
+        if row.get("launch") != self._launch:
+            self._launch, self._launch_steps = row.get("launch"), 0
+        self._launch_steps += 1
+        cur = self.current.strategy
+        if self._launch_steps > WARMUP_STEPS:
+            times = self.samples.setdefault(cur, [])
+            times.append(row["iter_s"])
+            del times[:-SAMPLE_WINDOW]  # recent steps only: follows host drift, bounds the saved state
+        gns = row.get("gns")
+        if gns is not None and self.fallback.update(gns):
+            return self._fall_back(row, gns)
+        timed = len(self.samples.get(cur, []))
+        if timed < self.s.min_steps or self._launch_steps % self.s.decision_every:
+            return None
+        self._maybe_search()
+        if gns is None:
+            self._log(row, None, "no GNS estimate yet", False)
+            return None
+        return self._decide(row, gns)
+
+    def _decide(self, row: dict[str, Any], gns: float) -> Stage | None:
+        cur = self.current.strategy
+        t_cur = statistics.median(self.samples[cur])
+        with self._lock:
+            results = dict(self._results)
+        i = self.ladder.index(cur.gbs)
+        candidates = []
+        same = results.get(cur.gbs)
+        if same is not None and same.best is not None and same.best.strategy != cur:
+            candidates.append(("same_gbs", same.best))
+        if i + 1 < len(self.ladder) and row["step"] >= self.blocked_until_step:
+            nxt = results.get(self.ladder[i + 1])
+            if nxt is not None and nxt.best is not None:
+                candidates.append(("next_gbs", nxt.best))
+        if self.previous:  # the rung we came from, at its measured speed: undo a move that did not pay
+            back = self.previous[-1]
+            t_back = statistics.median(self.samples[back])
+            candidates.append(("previous_gbs", Candidate(back, t_back, 0.0, 0.0, 0.0)))
+        if not candidates:
+            self._log(row, None, "no candidate yet (search running or top rung)", False, gns=gns, t_cur=t_cur)
+            return None
+        best = None
+        for kind, cand in candidates:
+            t_cand = self._optimistic_time(cand, t_cur)
+            d = decide(cur.gbs, t_cur, cand.strategy.gbs, t_cand, gns, self.switch_cost(),
+                       self.s.horizon_s, self.s.margin)
+            if best is None or d.ratio > best[2].ratio:
+                best = (kind, cand, d, t_cand)
+        kind, cand, d, t_cand = best
+        self._log(row, cand, d.why, d.switch, gns=gns, t_cur=t_cur, decision=d, candidate_kind=kind,
+                  candidate_t=t_cand)
+        if not d.switch:
+            return None
+        return Stage(cand.strategy, None, "decision")
+
+    def _optimistic_time(self, cand: Candidate, t_cur: float) -> float:
+        """Measured median for a strategy that ran; otherwise optimism in the face of uncertainty:
+        the prediction minus `search.optimism` standard deviations, but never below half the
+        prediction, nor (unless the model itself says so) below the running step's measured time.
+        A wrong guess costs one switch: once measured, the previous rung competes at its real speed."""
+        if cand.strategy in self.samples:
+            return statistics.median(self.samples[cand.strategy])
+        return max(cand.time_s - self.s.optimism * cand.time_std, 0.5 * cand.time_s, min(cand.time_s, t_cur))
+
+    def _fall_back(self, row: dict[str, Any], gns: float) -> Stage | None:
+        self.fallback.disarm()
+        if not self.s.fallback or not self.previous:
+            return None
+        back = self.previous[-1]
+        why = f"smoothed GNS fell for {self.s.fallback_patience} steps after moving up (now {gns:.1f})"
+        self._log(row, None, why, True, gns=gns, fallback_to=back.to_dict())
+        self.blocked_until_step = row["step"] + 4 * self.s.fallback_patience
+        return Stage(back, None, "fallback")
+
+    def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
+        if requested is None:
+            return None
+        old = self.current.strategy
+        if self.previous and requested.strategy == self.previous[-1]:  # back down (fallback or decision)
+            self.previous.pop()
+            self.fallback.disarm()
+        elif requested.strategy.gbs > old.gbs:
+            self.previous.append(old)
+            self.fallback.arm()
+        self.current = requested
+        self._searched_for = None  # a new frontier: search again once the new strategy is measured
+        return requested
+
+    def state_dict(self) -> dict[str, Any]:
+        """Ladder position, calibration samples, switch costs and fallback state (for --resume)."""
+        fb = self.fallback
+        return {"current": str(self.current.strategy), "reason": self.current.reason,
+                "samples": {str(k): v for k, v in self.samples.items()}, "switch_costs": self.switch_costs,
+                "previous": [str(p) for p in self.previous], "blocked_until_step": self.blocked_until_step,
+                "fallback": {"armed": fb.armed, "falling": fb.falling, "last": fb.last}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.current = Stage(Strategy.parse(state["current"]), None, state["reason"])
+        self.samples = {Strategy.parse(k): list(v) for k, v in state["samples"].items()}
+        self.switch_costs = list(state["switch_costs"])
+        self.previous = [Strategy.parse(p) for p in state["previous"]]
+        self.blocked_until_step = int(state["blocked_until_step"])
+        fb = state["fallback"]
+        self.fallback.armed, self.fallback.falling, self.fallback.last = fb["armed"], fb["falling"], fb["last"]
+        self._searched_for = None
+
+    def _log(self, row: dict[str, Any], cand: Any, why: str, switch: bool, **extra: Any) -> None:
+        if self.events is None:
+            return
+        fields: dict[str, Any] = {"step": row["step"], "current": self.current.strategy.to_dict(),
+                                  "switch": switch, "why": why, "switch_cost_s": round(self.switch_cost(), 3)}
+        if cand is not None:
+            fields.update(candidate=cand.strategy.to_dict(), predicted_t=cand.time_s, predicted_t_std=cand.time_std)
+        d = extra.pop("decision", None)
+        if d is not None:
+            fields.update(phi_current=d.phi_current, phi_candidate=d.phi_candidate, ratio=d.ratio, needed=d.needed)
+        if "t_cur" in extra:
+            extra["measured_t"] = extra.pop("t_cur")
+        self.events.write("decision", **fields, **extra)

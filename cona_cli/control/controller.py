@@ -1,0 +1,388 @@
+"""The controller: launches torchrun under a strategy, follows the run, switches by checkpoint + relaunch.
+
+Data flows one way: config -> controller -> torchrun -> workers -> telemetry -> controller, and the
+run directory is the record (events.jsonl written here, metrics.jsonl by worker rank 0).
+
+A launch that fails (a rank killed, out of memory, an exception) is relaunched under the same
+strategy from the newest usable checkpoint, up to `train.max_restarts` times within
+`train.restart_window_s`. The controller's own state goes to controller_state.json whenever it
+changes, so `cona train --resume RUN_DIR` continues after the controller was stopped or killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from cona_cli.control import usable_checkpoints as checkpoints
+from cona_cli.cluster.nodes import ClusterError, head_address, is_multi_node, rendezvous, resolve_nodes, torchrun_args
+from cona_cli.config import Config
+from cona_cli.rundir import RunDir
+from cona_cli.control.failures import Failure, failed_host, parse_failure
+from cona_cli.cluster.launchers import Agent, make_launcher
+from cona_cli.control.policies import Policy, Stage
+from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict
+from cona_cli.cluster.shared_storage import check_shared
+from cona_cli.strategy import Strategy
+from cona_cli.control.telemetry_server import TelemetryServer
+
+INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGKILL
+NODE_FAILURE_GRACE_S = 20.0  # for the other nodes to stop after one node failed, before SIGKILL
+KILL_WAIT_S = 10.0  # after SIGKILL, before the local end (an ssh client) is abandoned
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+Prev = tuple[Strategy, dict[str, Any]]  # strategy and outcome of the last launch that ended normally
+
+
+class NoUsableCheckpoint(RuntimeError):
+    """Checkpoints exist but none of them can be used; the message is one line."""
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    outcome: dict[str, Any] | None  # what the workers wrote to launches/NNN.json
+    failed: Agent | None  # the node agent whose failure came first (not one that only lost a peer)
+    failure: Failure | None  # what its output says
+    log_path: Path  # that agent's output (else the first node's)
+
+
+class EventLog:
+    """Append-only events.jsonl."""
+
+    def __init__(self, path: Path, run_start: float) -> None:
+        self.path, self.run_start = path, run_start
+
+    def write(self, kind: str, **fields: Any) -> dict[str, Any]:
+        now = time.time()
+        event = {"kind": kind, "time": round(now - self.run_start, 4), "wall_clock": round(now, 3), **fields}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+        return event
+
+
+def worker_args(run_dir: Path, stage: Stage, launch: int, resume: Path | None) -> list[str]:
+    """What torchrun runs on every rank."""
+    args = ["-m", "launch.worker", "--run-dir", str(run_dir.absolute()), "--strategy", str(stage.strategy),
+            "--launch", str(launch)]
+    if resume is not None:
+        args += ["--resume", str(resume.absolute())]
+    if stage.stop_step is not None:
+        args += ["--stop-step", str(stage.stop_step)]
+    return args
+
+
+def threads_per_proc(cfg: Config) -> int:
+    """Intra-op threads per rank: the node's cores shared by its ranks (`local` nodes share one machine)."""
+    c = cfg.cluster
+    procs_here = c.procs_per_node * (c.nodes if c.launcher == "local" else 1)
+    return c.threads_per_proc or max(1, (os.cpu_count() or 1) // procs_here)
+
+
+class Controller:
+    def __init__(self, cfg: Config, run_dir: Path, policy: Policy, console: Console | None = None,
+                 verbose: bool = False, resume: RunState | None = None) -> None:
+        """`resume`: the saved state of an earlier controller of this run (`cona train --resume`)."""
+        self.cfg, self.run_dir, self.policy = cfg, run_dir, policy
+        self.files = RunDir(run_dir)
+        self.console = console or Console(stderr=True)
+        self.verbose = verbose
+        self.resumed = resume is not None
+        self.state = resume or RunState()
+        self.run_start = time.time() - self.state.elapsed_s  # run time continues, the stopped gap excluded
+        self.events = EventLog(self.files.events, self.run_start)
+        self.nodes = resolve_nodes(cfg.cluster)
+        self.multi_node = is_multi_node(cfg.cluster)
+        self.launcher = make_launcher(cfg.cluster)
+        host = head_address(cfg.cluster, self.nodes)
+        try:
+            self.telemetry = TelemetryServer(host=host)
+        except OSError as e:
+            raise ClusterError(f"cluster.head_addr: cannot listen on {host} ({e.strerror or e}); give this "
+                               "machine's address on the cluster network") from None
+        policy.events = self.events
+        self.signal_received: int | None = None
+        self.launch = self.state.launch
+        self.last_metric: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}
+        self._shapes: checkpoints.Shapes | None = None
+        self._dirty = False  # the last drain changed something worth saving
+
+    # -- public ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run to completion; returns the process exit code."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            if self.multi_node:
+                check_shared(self.launcher, self.nodes, self.run_dir, self.cfg.cluster.probe_timeout_s)
+            with self._progress() as progress:
+                return self._run(progress)
+        except ClusterError as e:
+            self.console.print(f"[red]cona: {e}[/red]")
+            return self._exit(1, "failed", self.last_metric.get("step", 0))
+        except NoUsableCheckpoint as e:
+            self.console.print(f"[red]cona: {e}[/red]")
+            return self._exit(1, "failed", self.last_metric.get("step", 0))
+        finally:
+            self.telemetry.close()
+
+    def _run(self, progress: Progress) -> int:
+        ckpt: Path | None = None
+        stage: Stage | None
+        launch_reason: str | None = None
+        prev: Prev | None = None
+        if self.state.prev is not None:
+            prev = (Strategy.parse(self.state.prev["strategy"]), self.state.prev["outcome"])
+        if self.resumed:
+            ckpt = self.newest_checkpoint()
+            step = checkpoints.checkpoint_step(ckpt) if ckpt else 0
+            self.events.write("resume", step=step, checkpoint=str(ckpt) if ckpt else None, launch=self.launch)
+            running = stage_from_dict(self.state.stage) or self.policy.first()
+            stage, launch_reason = self.policy.restart(step, running), "resume"
+        else:
+            self.events.write("start", config=self.cfg.source, policy=self.policy.name, world=self.cfg.cluster.world)
+            stage = self.policy.first()
+        while stage is not None:
+            if self.signal_received is not None:
+                return self._interrupted(None)
+            self._save_state(stage, prev)
+            result, requested = self._run_launch(stage, ckpt, prev, progress, launch_reason)
+            outcome = result.outcome
+            if self.signal_received is not None:
+                return self._interrupted(outcome)
+            if result.returncode != 0 or outcome is None:
+                if not self._may_restart(result, ckpt):
+                    return self._exit(1, "failed", self.last_metric.get("step", 0))
+                if self.last_metric.get("launch") == self.launch:
+                    prev = None  # the switch into this strategy is already recorded
+                ckpt = self.newest_checkpoint()
+                stage = self.policy.restart(checkpoints.checkpoint_step(ckpt) if ckpt else 0, stage)
+                launch_reason = "restart"
+                continue
+            ckpt, launch_reason = Path(outcome["checkpoint"]), None
+            reason = outcome["reason"]
+            if reason not in ("stage_end", "command"):
+                if reason == "target_reached":
+                    self.events.write("target_reached", step=outcome["step"],
+                                      val_ppl=outcome["best_val_ppl"], target_ppl=self.cfg.train.target_ppl,
+                                      wall_time=outcome["time"])
+                return self._exit(0, reason, outcome["step"])
+            prev = (stage.strategy, outcome)
+            stage = self.policy.after_launch(outcome, requested)
+        self._save_state(None, prev)
+        return self._exit(0, "done", prev[1]["step"] if prev else 0)
+
+    # -- recovery ----------------------------------------------------------------------------
+
+    def newest_checkpoint(self) -> Path | None:
+        """The newest usable checkpoint (unusable ones are quarantined with a warning); None if none
+        was ever committed. Raises NoUsableCheckpoint if there are some but none is usable."""
+        if self._shapes is None:
+            self._shapes = checkpoints.expected_shapes(self.cfg, self.files)
+        root = self.files.checkpoints
+        path, skipped = checkpoints.newest_usable(root, self._shapes, self._warn)
+        if path is None and skipped:
+            raise NoUsableCheckpoint(f"no usable checkpoint in {root} ({skipped} unusable, moved to bad-*)")
+        return path
+
+    def _warn(self, message: str) -> None:
+        self.events.write("warning", message=message)
+        self.console.print(f"[yellow]cona: {message}[/yellow]")
+
+    def _may_restart(self, result: LaunchResult, ckpt: Path | None) -> bool:
+        """Record a failed launch; whether the restart budget allows another launch."""
+        log_path = result.log_path
+        text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+        failure = result.failure or parse_failure(text, result.returncode)
+        host = failed_host(result.failed, text) if result.failed is not None else None
+        self.events.write("failure", launch=self.launch, exit_code=result.returncode, rank=failure.rank,
+                          rank_exit_code=failure.rank_exit_code, exit_codes=failure.exit_codes,
+                          bad_checkpoint=failure.bad_checkpoint, last_lines=failure.last_lines,
+                          **({"host": host} if self.multi_node else {}))
+        self.console.print("\n".join(failure.last_lines), markup=False, highlight=False)
+        where = f"node {host}: " if self.multi_node and host else ""
+        self.console.print(f"[red]cona: launch {self.launch} failed: {where}{failure.describe()}; "
+                           f"see {log_path}[/red]")
+        if failure.bad_checkpoint and ckpt is not None and ckpt.is_dir():
+            moved = checkpoints.quarantine(ckpt)
+            self._warn(f"checkpoint {ckpt} could not be loaded; skipped (moved to {moved.name})")
+        now = time.time() - self.run_start
+        t = self.cfg.train
+        self.state.failures = [f for f in self.state.failures if now - f <= t.restart_window_s] + [now]
+        if len(self.state.failures) > t.max_restarts:
+            self.console.print(f"[red]cona: giving up: {len(self.state.failures)} failed launches within "
+                               f"{t.restart_window_s:g} s (train.max_restarts = {t.max_restarts})[/red]")
+            return False
+        return True
+
+    def _save_state(self, stage: Stage | None, prev: Prev | None) -> None:
+        st = self.state
+        st.stage, st.launch, st.elapsed_s = stage_to_dict(stage), self.launch, time.time() - self.run_start
+        st.prev = {"strategy": str(prev[0]), "outcome": prev[1]} if prev else None
+        st.policy = self.policy.state_dict()
+        st.save(self.run_dir)
+
+    # -- one launch --------------------------------------------------------------------------
+
+    def _run_launch(self, stage: Stage, resume: Path | None, prev: Prev | None, progress: Progress,
+                    reason: str | None) -> tuple[LaunchResult, Stage | None]:
+        self.launch += 1
+        step = checkpoints.checkpoint_step(resume) if resume else 0
+        self.events.write("launch", launch=self.launch, strategy=stage.strategy.to_dict(),
+                          from_checkpoint=str(resume) if resume else None, step=step, reason=reason or stage.reason)
+        c = self.cfg.cluster
+        rdzv = rendezvous(c, self.nodes, f"cona-{self.telemetry.token[:8]}-{self.launch}") if self.multi_node else None
+        tail = worker_args(self.run_dir, stage, self.launch, resume)
+        env = {**self.telemetry.env(), "CONA_RUN_START": repr(self.run_start),
+               "OMP_NUM_THREADS": str(threads_per_proc(self.cfg)), "PYTHONUNBUFFERED": "1"}
+        outcome_path = self.files.launch_outcome(self.launch)
+        outcome_path.unlink(missing_ok=True)  # a leftover of a launch the controller never saw
+        agents = self.launcher.start(self.nodes, lambda node: torchrun_args(c, node, rdzv) + tail, env)
+        self.state.agent_pids = [a.pid for a in agents]
+        self._save_state(stage, prev)
+        per_node = len(agents) > 1  # one log per node, lines shown prefixed by the node
+        pumps = [threading.Thread(target=self._pump, args=(a, self._log_path(a, per_node), per_node), daemon=True)
+                 for a in agents]
+        for pump in pumps:
+            pump.start()
+        requested, failed = self._follow(agents, stage, prev, progress)
+        for pump in pumps:
+            pump.join(timeout=5)
+        outcome = json.loads(outcome_path.read_text()) if outcome_path.is_file() else None
+        self._drain(stage, prev, progress)
+        self._save_state(stage, prev)
+        if not failed:
+            return LaunchResult(0, outcome, None, None, self._log_path(agents[0], per_node)), requested
+        parsed = [(a, path, parse_failure(path.read_text(errors="replace") if path.is_file() else "", a.poll() or 1))
+                  for a, path in ((a, self._log_path(a, per_node)) for a in failed)]
+        agent, path, failure = next((r for r in parsed if not r[2].knock_on), parsed[0])
+        return LaunchResult(failure.exit_code, outcome, agent, failure, path), requested
+
+    def _log_path(self, agent: Agent, per_node: bool) -> Path:
+        return self.files.launch_log(self.launch, agent.label if per_node else None)
+
+    def _pump(self, agent: Agent, log_path: Path, prefixed: bool) -> None:
+        log_path.parent.mkdir(exist_ok=True)
+        with open(log_path, "w") as log:
+            for line in agent.proc.stdout:
+                log.write(line)
+                log.flush()
+                if self.verbose:
+                    text = f"[{agent.label}] {line.rstrip()}" if prefixed else line.rstrip()
+                    self.console.print(text, markup=False, highlight=False)
+
+    def _follow(self, agents: list[Agent], stage: Stage, prev: Prev | None,
+                progress: Progress) -> tuple[Stage | None, list[Agent]]:
+        """Wait for every node's agent to end, handling telemetry, switch requests and signals.
+        Returns the stage requested by the policy and the agents that failed, in the order seen."""
+        requested: Stage | None = None
+        stop_sent_at: float | None = None
+        failed: list[Agent] = []
+        killed_at: float | None = None
+        abandoned = False
+        while True:
+            failed += [a for a in agents if a.poll() not in (None, 0) and a not in failed]
+            if all(a.poll() is not None for a in agents):
+                return requested, failed
+            switch_to = self._drain(stage, prev, progress, wait=0.2)
+            if self._dirty:
+                self._save_state(stage, prev)
+            if switch_to is not None and requested is None:
+                requested = switch_to
+            wants_stop = requested is not None or self.signal_received is not None or failed
+            if wants_stop and stop_sent_at is None:
+                if failed or not self.telemetry.send({"cmd": "checkpoint_and_exit"}):
+                    for a in agents:  # no telemetry, or a node is gone: workers checkpoint on SIGTERM if they can
+                        a.signal(signal.SIGTERM)
+                stop_sent_at = time.monotonic()
+            grace = NODE_FAILURE_GRACE_S if failed else INTERRUPT_GRACE_S
+            if stop_sent_at is not None and killed_at is None and time.monotonic() - stop_sent_at > grace:
+                for a in agents:
+                    a.signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+            if killed_at is not None and not abandoned and time.monotonic() - killed_at > KILL_WAIT_S:
+                for a in agents:
+                    a.abandon()
+                abandoned = True
+
+    def _drain(self, stage: Stage, prev: Prev | None, progress: Progress, wait: float = 0.0) -> Stage | None:
+        """Handle queued telemetry messages; returns a stage the policy wants to switch to."""
+        switch_to = None
+        self._dirty = False
+        try:
+            msg = self.telemetry.messages.get(timeout=wait) if wait else self.telemetry.messages.get_nowait()
+        except queue.Empty:
+            return None
+        while True:
+            switch_to = self._handle(msg, stage, prev, progress) or switch_to
+            try:
+                msg = self.telemetry.messages.get_nowait()
+            except queue.Empty:
+                return switch_to
+
+    def _handle(self, msg: dict[str, Any], stage: Stage, prev: Prev | None, progress: Progress) -> Stage | None:
+        kind = msg.get("type")
+        if kind == "checkpoint":
+            self.events.write("checkpoint", **{k: msg.get(k) for k in ("step", "path", "seconds", "bytes", "reason")})
+        elif kind == "metric" and msg.get("kind") == "eval":
+            self.last_eval = msg
+        elif kind == "metric" and msg.get("kind") == "step":
+            first_of_launch = self.last_metric.get("launch") != msg.get("launch")
+            self.last_metric, self._dirty = msg, True
+            if first_of_launch and prev is not None and prev[0] != stage.strategy:
+                seconds = msg["time"] - msg["iter_s"] - prev[1]["time"]
+                self.events.write("switch", step=prev[1]["step"], to=stage.strategy.to_dict(),
+                                  reason=stage.reason, seconds=round(seconds, 4),
+                                  **{"from": prev[0].to_dict()})
+                self.policy.observe_switch(seconds)
+            self._show(progress, stage)
+            return self.policy.on_metric(msg)
+        return None
+
+    # -- endings and display -----------------------------------------------------------------
+
+    def _interrupted(self, outcome: dict[str, Any] | None) -> int:
+        """A signal stopped the run (the workers checkpointed unless they were gone already)."""
+        assert self.signal_received is not None
+        step = outcome["step"] if outcome else self.last_metric.get("step", 0)
+        self.events.write("interrupted", signal=signal.Signals(self.signal_received).name, step=step)
+        return self._exit(EXIT_CODES[self.signal_received], "interrupted", step)
+
+    def _exit(self, code: int, reason: str, step: int) -> int:
+        self.events.write("exit", code=code, reason=reason, step=step)
+        ppl = self.last_eval.get("val_ppl")
+        ppl_text = f", val ppl {ppl:.2f}" if ppl is not None else ""
+        self.console.print(f"cona: {reason} at step {step}{ppl_text} after {time.time() - self.run_start:.1f} s "
+                           f"({self.launch} launches); run dir {self.run_dir}")
+        return code
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self.signal_received is not None:  # a second Ctrl-C: stop waiting politely
+            raise KeyboardInterrupt
+        self.signal_received = signum
+
+    def _progress(self) -> Progress:
+        return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                        TimeElapsedColumn(), console=self.console, transient=False)
+
+    def _show(self, progress: Progress, stage: Stage) -> None:
+        m = self.last_metric
+        total = self.cfg.train.max_steps
+        info = f"loss {m['loss']:.3f}"
+        if self.last_eval:
+            info += f"  val ppl {self.last_eval['val_ppl']:.1f}"
+        info += f"  {stage.strategy}  {m['iter_s']:.2f} s/it"
+        if not progress.task_ids:
+            progress.add_task("step", total=total, info="")
+        progress.update(progress.task_ids[0], completed=m["step"], description=f"step {m['step']}", info=info)

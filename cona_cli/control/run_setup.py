@@ -1,0 +1,97 @@
+"""What `cona train` and `cona train --resume` both do before a controller starts: resolve the config
+with the command line's overrides, choose the policy, and prepare a new run folder."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+from cona_cli.config import Config, ConfigError, config_from_dict, load_config, parse_chain, read_yaml
+from cona_cli.control.policies import ChainPolicy, Policy, StaticPolicy
+from cona_cli.rundir import RunDir
+from cona_cli.strategy import Strategy, StrategyError
+
+
+def resolve_config(config: Path, strategy: Optional[str], chain: Optional[Path], max_steps: Optional[int],
+                   data: Optional[Path] = None) -> Config:
+    """The config with CLI overrides applied and validated as a whole."""
+    overrides: dict = {}
+    if data is not None:
+        overrides["data.path"] = str(data)
+    if strategy is not None:
+        try:
+            overrides["strategy"] = str(Strategy.parse(strategy))
+        except StrategyError as e:
+            raise ConfigError(f"--strategy: {e}") from None
+        overrides.update(policy="static", chain=None)
+    if chain is not None:
+        try:
+            stages = parse_chain(read_yaml(chain))
+        except ConfigError as e:
+            raise ConfigError(f"{chain}: {e}") from None
+        overrides["chain"] = [{**s.strategy.to_dict(), **({"steps": s.steps} if s.steps else {})} for s in stages]
+        overrides.update(policy="chain", strategy=None)
+    if max_steps is not None:
+        if max_steps < 1:
+            raise ConfigError("--max-steps: must be >= 1")
+        overrides["train.max_steps"] = max_steps
+    cfg = load_config(config, overrides)
+    if not any((cfg.train.max_steps, cfg.train.max_tokens, cfg.train.max_time, cfg.train.target_ppl)) and \
+            not (cfg.chain and cfg.chain[-1].steps):
+        raise ConfigError(f"{config}: train: needs a stop rule (max_steps, max_tokens, max_time or target_ppl)")
+    return cfg
+
+
+def make_policy(cfg: Config) -> tuple[Config, Policy]:
+    """The policy, and the config completed with what it decided (auto strategy, LR base batch)."""
+    if cfg.policy == "chain":
+        policy: Policy = ChainPolicy(cfg.chain)
+    elif cfg.policy == "static" and not cfg.auto_strategy:
+        policy = StaticPolicy(cfg.strategy)
+    else:
+        from cona_cli.control.cona_policy import ConaPolicy, fastest_strategy  # the planner: numpy, skopt
+        from cona_cli.planner.hardware import load_hardware
+
+        try:
+            hw = load_hardware(cfg.search.hardware)
+            if cfg.policy == "static":
+                best = fastest_strategy(cfg, hw)
+                cfg = dataclasses.replace(cfg, strategy=best, auto_strategy=False)
+                policy = StaticPolicy(best)
+            else:
+                policy = ConaPolicy(cfg, hw)
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(f"{cfg.source}: {e}") from None
+    if cfg.train.lr_base_gbs is None:  # the LR was tuned for the first batch size
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr_base_gbs=policy.first().strategy.gbs))
+    return config_from_dict(cfg.to_raw(), cfg.source), policy
+
+
+def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
+    """Copy the config, write the resolved one and prepare the corpus (may take minutes: BPE training)."""
+    run = RunDir(run_dir)
+    if run.holds_run():
+        raise ConfigError(f"--run-dir: {run_dir} already holds a run; choose a new folder or --resume it")
+    from launch.data import DataError, prepare_corpus  # imports torch: only once the config is valid
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(config, run.config_copy)
+    run.resolved_config.write_text(json.dumps(cfg.to_raw(), indent=1))
+    data = cfg.data
+    if cfg.cluster.launcher != "local" and data.cache_dir is None:  # the nodes read tokens from shared storage
+        data = dataclasses.replace(data, cache_dir=str(run.data.absolute()))
+    try:
+        corpus = prepare_corpus(data, seed=cfg.train.seed)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    run.corpus.write_text(corpus.to_json())
+
+
+def default_run_dir(config: Path) -> Path:
+    return Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -1,0 +1,85 @@
+"""The strategy space: candidates (dp, tp, pp, mbs, gbs), feasibility with reasons, memory per device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cona_cli.config import Config
+from cona_cli.planner.costmodel import as_array
+from cona_cli.planner.hardware import HardwareProfile
+from cona_cli.planner.memory import memory_bytes
+from cona_cli.planner.workload import Workload
+from cona_cli.strategy import Strategy, divisibility_problems
+
+
+@dataclass(frozen=True)
+class Space:
+    """Feasible strategies (with their estimated peak memory) and the rejected ones with reasons."""
+
+    feasible: list[Strategy]
+    memory_gib: np.ndarray
+    rejected: list[tuple[Strategy, str]]
+
+    def at_gbs(self, gbs: int) -> "Space":
+        keep = [i for i, s in enumerate(self.feasible) if s.gbs == gbs]
+        return Space([self.feasible[i] for i in keep], self.memory_gib[keep],
+                     [(s, r) for s, r in self.rejected if s.gbs == gbs])
+
+
+def gbs_ladder(cfg: Config) -> list[int]:
+    """The global batch rungs: `search.gbs_ladder`, else powers of two from gbs_min to gbs_max.
+
+    gbs_min defaults to gbs_static or the world size, gbs_max to 16 x gbs_min.
+    """
+    s = cfg.search
+    if s.gbs_ladder:
+        return sorted(set(s.gbs_ladder))
+    lo = s.gbs_min or s.gbs_static or cfg.cluster.world
+    hi = s.gbs_max or lo * 16
+    ladder = [lo]
+    while ladder[-1] * 2 <= hi:
+        ladder.append(ladder[-1] * 2)
+    return ladder
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_space(cfg: Config, hw: HardwareProfile, ladder: list[int] | None = None) -> Space:
+    """Every (dp, tp, pp) with dp*tp*pp = world, each allowed mbs and each rung; feasibility checked.
+
+    Rules: divisibility (`divisibility_problems`), search.max_tp, tp inside a node when
+    search.tp_within_node, and peak memory <= (1 - memory_margin) * device memory.
+    """
+    w = Workload.from_config(cfg)
+    world, ppn = cfg.cluster.world, cfg.cluster.procs_per_node
+    ladder = ladder or gbs_ladder(cfg)
+    mbs_list = cfg.search.mbs or [2**k for k in range(max(ladder).bit_length())]
+    limits = []
+    if cfg.search.max_tp:
+        limits.append((lambda s: s.tp > cfg.search.max_tp, f"tp > search.max_tp {cfg.search.max_tp}"))
+    if cfg.search.tp_within_node:
+        limits.append((lambda s: s.tp > ppn, f"tp spans nodes (> procs_per_node {ppn})"))
+    candidates, rejected = [], []
+    for gbs in ladder:
+        for pp in _divisors(world):
+            for tp in _divisors(world // pp):
+                for mbs in mbs_list:
+                    s = Strategy(world // (tp * pp), tp, pp, mbs, gbs)
+                    problems = divisibility_problems(s, world, w.shape.n_layers, w.shape.n_heads, w.shape.kv_heads)
+                    problems += [reason for broken, reason in limits if broken(s)]
+                    if problems:
+                        rejected.append((s, "; ".join(problems)))
+                    else:
+                        candidates.append(s)
+    need = memory_bytes(as_array(candidates), w) + hw.reserved_gib * 2**30
+    budget = (1 - cfg.search.memory_margin) * hw.device_memory_bytes(ppn)
+    fits = need <= budget
+    feasible = [s for s, ok in zip(candidates, fits) if ok]
+    rejected += [(s, f"memory {n / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB available "
+                     f"({cfg.search.memory_margin:.0%} margin)")
+                 for s, n, ok in zip(candidates, need, fits) if not ok]
+    return Space(feasible, need[fits] / 2**30, rejected)

@@ -1,0 +1,48 @@
+"""The workload the planner models: the model's torch-free shape and the training settings that
+iteration time and memory depend on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cona_cli.config import Config
+from launch.models import model_shape
+from launch.models.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model shape and training settings that T(s) and memory depend on."""
+
+    shape: ModelShape
+    precision: str = "fp32"
+    recompute: bool = False
+    pp_schedule: str = "1f1b"
+    dp_impl: str = "ddp"
+    nodes: int = 1
+    procs_per_node: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Workload:
+        return cls(model_shape(cfg.model, cfg.data.vocab_size), cfg.search.precision, cfg.search.recompute,
+                   cfg.train.pp_schedule, cfg.train.dp_impl, cfg.cluster.nodes, cfg.cluster.procs_per_node)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation / weight / gradient element in the compute precision."""
+        return 4 if self.precision == "fp32" else 2
+
+    def stage_params(self, tp: np.ndarray, pp: np.ndarray) -> np.ndarray:
+        """Parameters held by one device of the largest stage (layers plus embedding or head; a tied
+        embedding is held by the first and the last stage)."""
+        m = self.shape
+        head = m.embedding_params if m.tied_embeddings else m.vocab * m.d_model
+        ends = np.where(pp == 1, m.embedding_params + (0 if m.tied_embeddings else head),
+                        max(m.embedding_params, head))
+        return (m.n_layers / pp * m.layer_params + ends) / tp

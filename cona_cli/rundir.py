@@ -1,0 +1,143 @@
+"""The run folder: one type that knows the name of every file in it (docs/run-dir.md is the reference).
+
+Controller and workers share it, so it imports nothing but the standard library. The checkpoint
+folder's layout (`checkpoints/step_000120/` with `trainer.json` and a `COMMITTED` marker written
+last) is named here too; what reads and writes the DCP shards lives in `launch.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MARKER = "COMMITTED"  # written last into a checkpoint folder: the checkpoint is complete
+TRAINER_STATE = "trainer.json"  # step, consumed samples, strategy, schedule and statistics state
+BAD_CHECKPOINT_EXIT = 3  # a worker that cannot load its checkpoint exits with this code
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """`RUN_DIR/` of one run; every path a controller, worker or report touches."""
+
+    path: Path
+
+    @property
+    def config_copy(self) -> Path:
+        """The config as given."""
+        return self.path / "config.yaml"
+
+    @property
+    def resolved_config(self) -> Path:
+        """The validated config handed to the workers (JSON)."""
+        return self.path / "config.resolved.json"
+
+    @property
+    def metrics(self) -> Path:
+        """Step and eval rows, written by worker rank 0."""
+        return self.path / "metrics.jsonl"
+
+    @property
+    def events(self) -> Path:
+        """Launches, decisions, switches, failures, exits: written by the controller."""
+        return self.path / "events.jsonl"
+
+    @property
+    def controller_state(self) -> Path:
+        """The controller's state for `--resume`, rewritten atomically."""
+        return self.path / "controller_state.json"
+
+    @property
+    def controller_lock(self) -> Path:
+        """flock held by the running controller."""
+        return self.path / "controller.lock"
+
+    @property
+    def corpus(self) -> Path:
+        """The prepared corpus (token files, vocabulary)."""
+        return self.path / "corpus.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def launches(self) -> Path:
+        return self.path / "launches"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def data(self) -> Path:
+        """Token arrays of multi-node runs without `data.cache_dir` (shared storage)."""
+        return self.path / "data"
+
+    @property
+    def probe(self) -> Path:
+        """The shared-storage check's files while it runs."""
+        return self.path / ".probe"
+
+    def launch_outcome(self, launch: int) -> Path:
+        """How launch `launch` ended (reason, step, checkpoint), written by worker rank 0."""
+        return self.launches / f"{launch:03d}.json"
+
+    def launch_log(self, launch: int, node: str | None = None) -> Path:
+        """torchrun's output of a launch; with several nodes one file per node."""
+        suffix = f".{re.sub(r'[^A-Za-z0-9_.-]', '_', node)}" if node is not None else ""
+        return self.logs / f"launch_{launch:03d}{suffix}.log"
+
+    def holds_run(self) -> bool:
+        """Whether a run was started here (its controller wrote events)."""
+        return self.events.is_file()
+
+    def vocab_size(self) -> int:
+        """The vocabulary of the prepared corpus."""
+        return int(json.loads(self.corpus.read_text())["vocab_size"])
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """The committed checkpoint folder of `step` under a checkpoints root."""
+    return root / f"step_{step:06d}"
+
+
+def committed(root: Path) -> list[Path]:
+    """Checkpoint folders with a COMMITTED marker, newest first."""
+    if not root.is_dir():
+        return []
+    dirs = [d for d in root.iterdir() if d.name.startswith("step_") and (d / MARKER).is_file()]
+    return sorted(dirs, key=lambda d: d.name, reverse=True)
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """trainer.json of a checkpoint; ValueError naming the folder if unreadable."""
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+        return state if isinstance(state, dict) else {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable {TRAINER_STATE} ({e})") from None
+
+
+def read_jsonl(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
+    """The JSON objects of a .jsonl file; bad lines are skipped (a warning unless it is the last)."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif i < len(lines):
+            warnings.append(f"{path}:{i}: skipped a line that is not a JSON object")
+    return rows

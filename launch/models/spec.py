@@ -1,0 +1,47 @@
+"""What a model family gives the engine: the `ModelSpec` every family module exports as `SPEC`.
+
+The trainer and `parallelize()` know nothing about a family beyond this. Conventions a family's
+module keeps: its blocks live in an `nn.ModuleDict` named `layers` keyed by global index (so a
+pipeline stage keeps the whole model's parameter names), and it has `init_weights(seed)`, seeded and
+identical whatever the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from cona_cli.config import ModelConfig
+    from launch.models.shape import ModelShape
+
+IGNORE_INDEX = -100  # target id excluded from the loss (padding of evaluation batches)
+
+Batch = tuple["torch.Tensor", "torch.Tensor"]
+BatchFn = Callable[["torch.Tensor", "torch.Tensor"], Batch]
+
+
+def next_token_batch(windows: torch.Tensor, sample_ids: torch.Tensor) -> Batch:
+    """Causal language modelling: from windows of seq_len + 1 tokens, predict token t+1 from tokens <= t."""
+    return windows[:, :-1], windows[:, 1:]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    build: Callable[[ModelConfig, int], nn.Module]
+    """The plain model for a config and a vocabulary size (no parallelism; honours torch.device)."""
+    tp_plan: Callable[[nn.Module], dict[str, ParallelStyle]]
+    """Tensor-parallel styles by submodule name, for the modules this (pipeline stage's) model holds."""
+    pipeline_split: Callable[[nn.Module, int, int], None]
+    """Keep only stage `pp_rank` of `pp` in place: its layers and, at the ends, embedding and head."""
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """(outputs, targets) -> loss summed over real targets, divided by all target positions."""
+    batch: BatchFn
+    """(token windows [n, seq_len + 1], global sample ids [n]) -> (inputs, targets)."""
+    shape: Callable[[ModelConfig, int], ModelShape]
+    """The torch-free shape the planner's cost and memory models read."""
