@@ -2,7 +2,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup sshd demo test test-fast bench clean
+.PHONY: setup sshd demo lint test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -24,7 +24,12 @@ sshd:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    openssh-server >/dev/null; }
 
-test: setup sshd
+# ruff: lint and format check (line length 120, rules in pyproject.toml).
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: setup sshd lint
 	$(BIN)/pytest -q
 
 # Unit tests only (no torchrun jobs).

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, get_args, get_origin, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -276,8 +277,7 @@ class Config:
         if self.strategy is not None or self.auto_strategy:
             raw["strategy"] = str(self.strategy) if self.strategy is not None else "auto"
         if self.chain is not None:
-            raw["chain"] = [{**c.strategy.to_dict(), **({"steps": c.steps} if c.steps else {})}
-                            for c in self.chain]
+            raw["chain"] = [{**c.strategy.to_dict(), **({"steps": c.steps} if c.steps else {})} for c in self.chain]
         return raw
 
     def problems(self, s: Strategy) -> list[str]:
@@ -285,8 +285,13 @@ class Config:
         return divisibility_problems(s, self.cluster.world, m.n_layers, m.n_heads, m.kv_heads)
 
 
-_SECTIONS = {"model": ModelConfig, "data": DataConfig, "cluster": ClusterConfig,
-             "train": TrainConfig, "search": SearchConfig}
+_SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "cluster": ClusterConfig,
+    "train": TrainConfig,
+    "search": SearchConfig,
+}
 _TOP_KEYS = set(_SECTIONS) | {"strategy", "chain", "policy"}
 POLICIES = ("cona", "static", "chain")
 
@@ -398,8 +403,10 @@ def config_from_dict(raw: Any, source: str = "<config>") -> Config:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(_TOP_KEYS))})")
     if "model" not in raw:
         raise ConfigError("model: required")
-    sections = {name: _build_cluster(raw.get(name)) if cls is ClusterConfig
-                else _build_section(cls, raw.get(name), name) for name, cls in _SECTIONS.items()}
+    sections = {
+        name: _build_cluster(raw.get(name)) if cls is ClusterConfig else _build_section(cls, raw.get(name), name)
+        for name, cls in _SECTIONS.items()
+    }
     auto = raw.get("strategy") == "auto"
     strategy = _parse_strategy(raw["strategy"], "strategy") if raw.get("strategy") not in (None, "auto") else None
     chain = parse_chain(raw["chain"]) if raw.get("chain") is not None else None
@@ -431,8 +438,13 @@ def cross_field_problem(cfg: Config) -> str | None:
         return "train.target_ppl: needs evaluations (train.eval_interval or train.eval_interval_s)"
     lowest = s.gbs_min or s.gbs_static or cfg.cluster.world
     if not s.gbs_ladder and s.gbs_max is not None and s.gbs_max < lowest:  # (an explicit ladder wins)
-        below = f"search.gbs_min {s.gbs_min}" if s.gbs_min else \
-            f"search.gbs_static {s.gbs_static}" if s.gbs_static else f"the world size {cfg.cluster.world}"
+        below = (
+            f"search.gbs_min {s.gbs_min}"
+            if s.gbs_min
+            else f"search.gbs_static {s.gbs_static}"
+            if s.gbs_static
+            else f"the world size {cfg.cluster.world}"
+        )
         return f"search.gbs_max: {s.gbs_max} is below {below} (the ladder's lowest rung)"
     if s.n_initial > s.budget:
         return f"search.n_initial: {s.n_initial} initial points exceed search.budget {s.budget}"

@@ -44,7 +44,7 @@ class Strategy:
         return asdict(self)
 
     @classmethod
-    def parse(cls, text: str) -> "Strategy":
+    def parse(cls, text: str) -> Strategy:
         """Parse `dp2-tp1-pp2-mbs2-gbs16`."""
         m = _STRATEGY_RE.match(text.strip())
         if not m:
@@ -56,7 +56,7 @@ class Strategy:
         return cls(*values)
 
     @classmethod
-    def from_mapping(cls, data: dict, where: str = "strategy") -> "Strategy":
+    def from_mapping(cls, data: dict, where: str = "strategy") -> Strategy:
         missing = [f for f in FIELDS if f not in data]
         if missing:
             raise StrategyError(f"{where}: missing {', '.join(missing)}")

@@ -14,16 +14,21 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from cona_cli.rundir import MARKER, TRAINER_STATE, committed, read_trainer_state, step_dir
 
@@ -37,17 +42,22 @@ class CheckpointError(RuntimeError):
 
 
 def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIONS)}
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIONS)}
 
 
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def save(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         trainer_state: dict[str, Any], keep: int,
-         before_commit: Callable[[], None] | None = None) -> tuple[Path, float, int]:
+def save(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    keep: int,
+    before_commit: Callable[[], None] | None = None,
+) -> tuple[Path, float, int]:
     """Collective: every rank calls it. Returns (committed path, seconds, bytes) on every rank.
 
     `before_commit` runs on every rank once its shards are written (a test hook: die or linger there)."""

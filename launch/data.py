@@ -37,7 +37,6 @@ _SYNTHETIC_VERSION = 1  # bump when the synthetic language generator changes
 _VALID_FRACTION = 0.1
 
 
-
 class DataError(ValueError):
     """A corpus problem; the message is one line naming the file or folder."""
 
@@ -154,10 +153,15 @@ def _cached(out: Path, key: str, build: Callable[[Path], dict[str, int]]) -> Cor
         log.info("corpus cache hit: %s", out)
     meta = json.loads((out / "meta.json").read_text())
     tokenizer = out / "tokenizer.json"
-    return CorpusInfo(train_path=str(out / "train.npy"), valid_path=str(out / "valid.npy"),
-                      tokenizer_path=str(tokenizer) if tokenizer.exists() else None,
-                      vocab_size=meta["vocab_size"], n_train_tokens=meta["n_train_tokens"],
-                      n_valid_tokens=meta["n_valid_tokens"], key=key)
+    return CorpusInfo(
+        train_path=str(out / "train.npy"),
+        valid_path=str(out / "valid.npy"),
+        tokenizer_path=str(tokenizer) if tokenizer.exists() else None,
+        vocab_size=meta["vocab_size"],
+        n_train_tokens=meta["n_train_tokens"],
+        n_valid_tokens=meta["n_valid_tokens"],
+        key=key,
+    )
 
 
 def _read_text(path: Path) -> str:
@@ -177,14 +181,17 @@ def _tokenize(out: Path, train: Path, valid: Path, kind: str, vocab_size: int) -
             counts[split] = len(ids)
         vocab = 256
     else:
-        texts = {"train": _read_text(train).splitlines(keepends=True),
-                 "valid": _read_text(valid).splitlines(keepends=True)}
+        texts = {
+            "train": _read_text(train).splitlines(keepends=True),
+            "valid": _read_text(valid).splitlines(keepends=True),
+        }
         t0 = time.perf_counter()
         tok = Tokenizer(models.BPE())  # byte-level: GPT-2 pre-tokenization, lossless decoding
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        )
         tok.train_from_iterator(texts["train"], trainer)
         tok.save(str(out / "tokenizer.json"))
         vocab = tok.get_vocab_size()
@@ -198,8 +205,31 @@ def _tokenize(out: Path, train: Path, valid: Path, kind: str, vocab_size: int) -
 
 # --------------------------------------------------------------------------- synthetic language
 
-_ONSETS = ["", "b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
-           "sh", "th", "ch", "br", "st", "tr", "kl", "gr"]
+_ONSETS = [
+    "",
+    "b",
+    "d",
+    "f",
+    "g",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "z",
+    "sh",
+    "th",
+    "ch",
+    "br",
+    "st",
+    "tr",
+    "kl",
+    "gr",
+]
 _NUCLEI = ["a", "e", "i", "o", "u", "ai", "ou", "ea"]
 _CODAS = ["", "", "", "n", "r", "s", "l", "m", "k"]
 
@@ -217,8 +247,7 @@ def synthetic_corpus(n_words: int, seed: int, vocab: int = 500, branching: int =
     seen: set[str] = set()
     while len(words) < vocab:
         n_syl = 1 + min(2, int(rng.exponential(0.3 + 1.2 * len(words) / vocab)))
-        w = "".join(str(rng.choice(_ONSETS)) + str(rng.choice(_NUCLEI)) + str(rng.choice(_CODAS))
-                    for _ in range(n_syl))
+        w = "".join(str(rng.choice(_ONSETS)) + str(rng.choice(_NUCLEI)) + str(rng.choice(_CODAS)) for _ in range(n_syl))
         if len(w) > 1 and w not in seen:
             seen.add(w)
             words.append(w)
@@ -231,8 +260,10 @@ def synthetic_corpus(n_words: int, seed: int, vocab: int = 500, branching: int =
     comma_p = rng.beta(1.0, 25.0, vocab)
     lang = (words, succ.tolist(), slot_p, end_p.tolist(), comma_p.tolist())
     valid_words = max(1, round(n_words * _VALID_FRACTION))
-    return (_generate(lang, n_words, np.random.Generator(np.random.PCG64([seed, 1]))),
-            _generate(lang, valid_words, np.random.Generator(np.random.PCG64([seed, 2]))))
+    return (
+        _generate(lang, n_words, np.random.Generator(np.random.PCG64([seed, 1]))),
+        _generate(lang, valid_words, np.random.Generator(np.random.PCG64([seed, 2]))),
+    )
 
 
 def _generate(lang: tuple, n: int, rng: np.random.Generator) -> str:
@@ -307,8 +338,7 @@ def _split(batch: Batch, mbs: int) -> list[Batch]:
     return list(zip(batch[0].split(mbs), batch[1].split(mbs)))
 
 
-def replica_microbatches(stream: TokenStream, consumed: int, gbs: int, dp: int, dp_rank: int,
-                         mbs: int) -> list[Batch]:
+def replica_microbatches(stream: TokenStream, consumed: int, gbs: int, dp: int, dp_rank: int, mbs: int) -> list[Batch]:
     """Replica `dp_rank`'s micro-batches of the step whose global batch is samples [consumed, consumed + gbs):
     the contiguous slice [consumed + r*gbs/dp, consumed + (r+1)*gbs/dp) in gbs/(dp*mbs) micro-batches of mbs."""
     if gbs % (dp * mbs):
@@ -317,8 +347,16 @@ def replica_microbatches(stream: TokenStream, consumed: int, gbs: int, dp: int, 
     return _split(stream.samples(consumed + dp_rank * per, per), mbs)
 
 
-def eval_batches(path: str, seq_len: int, eval_tokens: int, gbs: int, dp: int, dp_rank: int,
-                 mbs: int, batch: BatchFn = next_token_batch) -> list[list[Batch]]:
+def eval_batches(
+    path: str,
+    seq_len: int,
+    eval_tokens: int,
+    gbs: int,
+    dp: int,
+    dp_rank: int,
+    mbs: int,
+    batch: BatchFn = next_token_batch,
+) -> list[list[Batch]]:
     """The fixed validation slice (the first max(1, eval_tokens // seq_len) windows, the same under every
     layout) cut into steps of gbs samples; each step is replica `dp_rank`'s micro-batches of mbs, like a
     training step. The last step is padded: inputs with token 0, targets with IGNORE_INDEX (no loss)."""
@@ -335,5 +373,5 @@ def eval_batches(path: str, seq_len: int, eval_tokens: int, gbs: int, dp: int, d
     steps = []
     for start in range(0, n + pad, gbs):
         lo = start + dp_rank * per
-        steps.append(_split((x[lo:lo + per], y[lo:lo + per]), mbs))
+        steps.append(_split((x[lo : lo + per], y[lo : lo + per]), mbs))
     return steps

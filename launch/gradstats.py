@@ -83,7 +83,7 @@ class SmallBatchNorms:
             self._pending.clear()
         return self._share
 
-    def _ddp_hook(self, state, bucket):  # noqa: ANN001, ANN201
+    def _ddp_hook(self, state, bucket):
         # Unannotated on purpose: DDP checks the annotations' objects, and postponed annotations
         # make them strings it rejects. (state: the process group; returns allreduce's future.)
         # Pure data parallelism (tp = pp = 1): every local gradient is the whole replica's.

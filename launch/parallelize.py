@@ -8,9 +8,9 @@ What is particular to a model family (its TP plan, pipeline split and loss) come
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -41,8 +41,11 @@ class ParallelModel:
 
     def counted_grads(self, dims: tuple[str, ...]) -> list[torch.Tensor]:
         """Local gradient pieces this rank counts (see `counts_here`)."""
-        return [local_tensor(p.grad) for p in self.model.parameters()
-                if p.grad is not None and counts_here(p.grad, self.coord, dims)]
+        return [
+            local_tensor(p.grad)
+            for p in self.model.parameters()
+            if p.grad is not None and counts_here(p.grad, self.coord, dims)
+        ]
 
     @property
     def is_first(self) -> bool:
@@ -80,7 +83,7 @@ class ParallelModel:
         flat /= self.strategy.dp
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
     @torch.no_grad()
@@ -121,8 +124,15 @@ def counts_here(grad: torch.Tensor, coord: dict[str, int], dims: tuple[str, ...]
     return all(coord[d] == 0 for d in dims if d not in sharded)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, strategy: Strategy, spec: ModelSpec, *, dp_impl: str = "ddp",
-                pp_schedule: str = "1f1b") -> ParallelModel:
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    strategy: Strategy,
+    spec: ModelSpec,
+    *,
+    dp_impl: str = "ddp",
+    pp_schedule: str = "1f1b",
+) -> ParallelModel:
     """Apply the layout in a fixed order: pipeline split, tensor parallel, data parallel, schedule."""
     pp_rank = mesh["pp"].get_local_rank()
     if strategy.pp > 1:
@@ -137,8 +147,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, strategy: Strategy, spec: Mo
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=strategy.pp == 1)
     elif strategy.dp > 1 and strategy.tp == 1 and strategy.pp == 1:
         wrapped = DDP(model, process_group=mesh["dp"].get_group(), forward_sync_buffers=False)
-    pm = ParallelModel(model=model, wrapped=wrapped, mesh=mesh, strategy=strategy, loss=spec.loss,
-                       coord=dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())))
+    pm = ParallelModel(
+        model=model,
+        wrapped=wrapped,
+        mesh=mesh,
+        strategy=strategy,
+        loss=spec.loss,
+        coord=dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())),
+    )
     if dp_impl == "ddp" and strategy.dp > 1 and wrapped is model:
         # Measured with torch 2.13 on gloo: DDP's reducer rejects DTensor parameters under TP (mixed
         # Tensor/DTensor ops), and under pipelining with 2 micro-batches it fails its bucket rebuild

@@ -81,11 +81,13 @@ class Worker:
         self.pp_rank = self.mesh["pp"].get_local_rank()
         model = self.spec.build(m, corpus.vocab_size)
         model.init_weights(cfg.train.seed)
-        self.pm: ParallelModel = parallelize(model, self.mesh, strategy, self.spec, dp_impl=cfg.train.dp_impl,
-                                             pp_schedule=cfg.train.pp_schedule)
+        self.pm: ParallelModel = parallelize(
+            model, self.mesh, strategy, self.spec, dp_impl=cfg.train.dp_impl, pp_schedule=cfg.train.pp_schedule
+        )
         t = cfg.train
-        self.opt = torch.optim.AdamW(self.pm.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
-                                     weight_decay=t.weight_decay, foreach=False)
+        self.opt = torch.optim.AdamW(
+            self.pm.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=False
+        )
         self.state = TrainerState()
         self.small = SmallBatchNorms(self.pm) if t.gns and t.dp_impl == "ddp" else None
         self.noise = NoiseScale(window=t.gns_window)
@@ -131,12 +133,21 @@ class Worker:
             testhooks.save_delay()
             testhooks.maybe_die(self.run_dir, "save", step, self.rank)
 
-        path, seconds, nbytes = checkpoint.save(self.ckpt_root, step, self.pm.model, self.opt, trainer,
-                                                self.cfg.train.checkpoint_keep, before_commit)
+        path, seconds, nbytes = checkpoint.save(
+            self.ckpt_root, step, self.pm.model, self.opt, trainer, self.cfg.train.checkpoint_keep, before_commit
+        )
         self.saved, self.last_save_time = (step, path), self.now()
         if self.telemetry is not None:
-            self.telemetry.send({"type": "checkpoint", "step": self.state.step, "path": str(path),
-                                 "seconds": round(seconds, 4), "bytes": nbytes, "reason": reason})
+            self.telemetry.send(
+                {
+                    "type": "checkpoint",
+                    "step": self.state.step,
+                    "path": str(path),
+                    "seconds": round(seconds, 4),
+                    "bytes": nbytes,
+                    "reason": reason,
+                }
+            )
         return path
 
     # -- one step ----------------------------------------------------------------------------
@@ -177,9 +188,15 @@ class Worker:
         if self.rank == 0:
             stop = _STOP_COMMAND if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
         loss_total, grad_sq, small_sq, stop_code, eval_votes, ckpt_votes = self._reduce(
-            [loss_sum if self._counts_loss() else 0.0, local_grad_sq(self.pm),
-             self.small.local_share() if self.small is not None else 0.0, stop, float(self.rank == 0 and want_eval),
-             float(self.rank == 0 and self.checkpoint_due_by_time())])
+            [
+                loss_sum if self._counts_loss() else 0.0,
+                local_grad_sq(self.pm),
+                self.small.local_share() if self.small is not None else 0.0,
+                stop,
+                float(self.rank == 0 and want_eval),
+                float(self.rank == 0 and self.checkpoint_due_by_time()),
+            ]
+        )
         noise = self._update_noise(small_sq, grad_sq)
         grad_norm = math.sqrt(grad_sq)
         if t.grad_clip and grad_norm > t.grad_clip:
@@ -188,15 +205,17 @@ class Worker:
         st.step += 1
         st.consumed_samples += s.gbs
         stop_reason = {_STOP_COMMAND: "command", _STOP_TIME: "max_time"}.get(stop_code)
-        return StepOut(loss_total / (s.dp * s.n_microbatches), grad_norm, stop_reason, eval_votes > 0,
-                       ckpt_votes > 0, noise)
+        return StepOut(
+            loss_total / (s.dp * s.n_microbatches), grad_norm, stop_reason, eval_votes > 0, ckpt_votes > 0, noise
+        )
 
     def _update_noise(self, small_total: float, big_sq: float) -> dict[str, float]:
         """Feed one step's norms to the GNS estimator; returns the metric fields."""
         if self.small is None or not self.small.available:
             return {}
-        raw_g, raw_tr = two_batch_estimate(self.small.b_small, small_total / self.small.n_small,
-                                           self.strategy.gbs, big_sq)
+        raw_g, raw_tr = two_batch_estimate(
+            self.small.b_small, small_total / self.small.n_small, self.strategy.gbs, big_sq
+        )
         self.noise.update(self.strategy.gbs, raw_g, raw_tr)
         fields = {"grad_sq_raw": raw_g, "trace_raw": raw_tr}
         if self.noise.smoothed is not None:
@@ -221,16 +240,26 @@ class Worker:
     def eval_set(self) -> list[list[Batch]]:
         """This replica's share of the fixed validation slice, built once per launch."""
         s = self.strategy
-        return eval_batches(self.valid_path, self.seq_len, self.cfg.train.eval_tokens, s.gbs, s.dp, self.dp_rank,
-                            s.mbs, self.spec.batch)
+        return eval_batches(
+            self.valid_path, self.seq_len, self.cfg.train.eval_tokens, s.gbs, s.dp, self.dp_rank, s.mbs, self.spec.batch
+        )
 
     def run_eval(self) -> float:
         val_loss, val_ppl = self.evaluate()
         st = self.state
         st.last_eval_time = self.now()
         st.best_val_ppl = val_ppl if st.best_val_ppl is None else min(st.best_val_ppl, val_ppl)
-        self.emit({"kind": "eval", "step": st.step, "time": round(st.last_eval_time, 4), "val_loss": val_loss,
-                   "val_ppl": val_ppl, "consumed_samples": st.consumed_samples, "launch": self.launch})
+        self.emit(
+            {
+                "kind": "eval",
+                "step": st.step,
+                "time": round(st.last_eval_time, 4),
+                "val_loss": val_loss,
+                "val_ppl": val_ppl,
+                "consumed_samples": st.consumed_samples,
+                "launch": self.launch,
+            }
+        )
         return val_ppl
 
     # -- the loop ----------------------------------------------------------------------------
@@ -281,17 +310,35 @@ class Worker:
             out = self.train_step(self.eval_due())
             iter_s = time.perf_counter() - t0
             st.time = self.now()
-            self.emit({"kind": "step", "step": st.step, "time": round(st.time, 4), "loss": out.loss,
-                       "lr": self.opt.param_groups[0]["lr"], **s.to_dict(), "iter_s": iter_s,
-                       "tokens_per_s": s.gbs * self.seq_len / iter_s, "consumed_samples": st.consumed_samples,
-                       "grad_norm": out.grad_norm, "launch": self.launch, **out.noise})
+            self.emit(
+                {
+                    "kind": "step",
+                    "step": st.step,
+                    "time": round(st.time, 4),
+                    "loss": out.loss,
+                    "lr": self.opt.param_groups[0]["lr"],
+                    **s.to_dict(),
+                    "iter_s": iter_s,
+                    "tokens_per_s": s.gbs * self.seq_len / iter_s,
+                    "consumed_samples": st.consumed_samples,
+                    "grad_norm": out.grad_norm,
+                    "launch": self.launch,
+                    **out.noise,
+                }
+            )
             val_ppl = self.run_eval() if out.eval else None
             reason = self.stop_reason(val_ppl) or out.stop
             if reason is None and self.checkpoint_due(out):
                 self.save("periodic")
         path = self.save({"stage_end": "switch", "command": "interrupt"}.get(reason, "final"))
-        return {"reason": reason, "step": st.step, "consumed_samples": st.consumed_samples,
-                "time": st.time, "checkpoint": str(path), "best_val_ppl": st.best_val_ppl}
+        return {
+            "reason": reason,
+            "step": st.step,
+            "consumed_samples": st.consumed_samples,
+            "time": st.time,
+            "checkpoint": str(path),
+            "best_val_ppl": st.best_val_ppl,
+        }
 
 
 def main() -> None:

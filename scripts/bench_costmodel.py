@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cona_cli.planner.calibration import Calibrator, read_recording
 from cona_cli.config import Config, load_config
+from cona_cli.planner.calibration import Calibrator, read_recording
 from cona_cli.planner.costmodel import as_array, iteration_time
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.workload import Workload
@@ -59,8 +59,9 @@ def cross_validate(cfg: Config, times: dict[Strategy, list[float]], n: int, draw
     """Held-out MAPE over `draws` random fit subsets of n layouts (seeded)."""
     rng = np.random.default_rng(seed)
     order = sorted(times)
-    return [held_out_mape(cfg, times, [order[i] for i in rng.choice(len(order), n, replace=False)])[0]
-            for _ in range(draws)]
+    return [
+        held_out_mape(cfg, times, [order[i] for i in rng.choice(len(order), n, replace=False)])[0] for _ in range(draws)
+    ]
 
 
 def main() -> int:
@@ -89,20 +90,26 @@ def main() -> int:
     measured = np.array([np.median(times[s]) for s in held])
     predicted, _ = cal.predict(as_array(held))
     errors = np.abs(predicted - measured) / measured
-    print(f"{len(recorded)} layouts, {skipped} skipped (world != {cfg.cluster.world}); fitted on {len(fit)} of "
-          f"{len(order)} layouts (largest dp, tp, pp, then maximin in log2 features): {', '.join(map(str, fit))}")
+    print(
+        f"{len(recorded)} layouts, {skipped} skipped (world != {cfg.cluster.world}); fitted on {len(fit)} of "
+        f"{len(order)} layouts (largest dp, tp, pp, then maximin in log2 features): {', '.join(map(str, fit))}"
+    )
     print("fitted " + ", ".join(f"{k}={v:.3g}" for k, v in cal.to_dict()["params"].items()))
     for s, m, p, e in zip(held, measured, predicted, errors):
-        print(f"  {str(s):<26} measured {m:7.3f} s  predicted {p:7.3f} s  error {e:6.1%}")
+        print(f"  {s!s:<26} measured {m:7.3f} s  predicted {p:7.3f} s  error {e:6.1%}")
     analytic = iteration_time(as_array(held), cal.workload, cal.fitted)
     prior = iteration_time(as_array(held), cal.workload, cal.prior)
-    print(f"MAPE on {len(held)} held-out layouts: {errors.mean():.1%} (target <= 10%); analytic model alone "
-          f"{np.mean(np.abs(analytic - measured) / measured):.1%}; uncalibrated profile "
-          f"{np.mean(np.abs(prior - measured) / measured):.1%}")
+    print(
+        f"MAPE on {len(held)} held-out layouts: {errors.mean():.1%} (target <= 10%); analytic model alone "
+        f"{np.mean(np.abs(analytic - measured) / measured):.1%}; uncalibrated profile "
+        f"{np.mean(np.abs(prior - measured) / measured):.1%}"
+    )
     if args.cv:
         cv = cross_validate(cfg, times, args.fit, args.cv, cfg.search.seed)
-        print(f"cross-validation over {args.cv} random fit subsets of {args.fit}: held-out MAPE mean "
-              f"{np.mean(cv):.1%}, worst {np.max(cv):.1%}")
+        print(
+            f"cross-validation over {args.cv} random fit subsets of {args.fit}: held-out MAPE mean "
+            f"{np.mean(cv):.1%}, worst {np.max(cv):.1%}"
+        )
     return 0
 
 

@@ -24,8 +24,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-LAYOUTS = ["dp4-tp1-pp1-mbs2-gbs{g}", "dp2-tp2-pp1-mbs2-gbs{g}", "dp2-tp1-pp2-mbs2-gbs{g}",
-           "dp1-tp1-pp4-mbs2-gbs{g}", "dp1-tp4-pp1-mbs4-gbs{g}"]
+LAYOUTS = [
+    "dp4-tp1-pp1-mbs2-gbs{g}",
+    "dp2-tp2-pp1-mbs2-gbs{g}",
+    "dp2-tp1-pp2-mbs2-gbs{g}",
+    "dp1-tp1-pp4-mbs2-gbs{g}",
+    "dp1-tp4-pp1-mbs4-gbs{g}",
+]
 
 
 def ranks_main(run_dir: Path, gbs: int, steps: int) -> None:
@@ -52,8 +57,14 @@ def ranks_main(run_dir: Path, gbs: int, steps: int) -> None:
                 if i >= 2:
                     times[name].append(time.perf_counter() - t0)
         paired = [a - b for a, b in zip(times["on"], times["off"])]  # neighbouring steps: drift cancels
-        rows.append({"layout": str(s), "on": statistics.median(times["on"]), "off": statistics.median(times["off"]),
-                     "diff": statistics.median(paired)})
+        rows.append(
+            {
+                "layout": str(s),
+                "on": statistics.median(times["on"]),
+                "off": statistics.median(times["off"]),
+                "diff": statistics.median(paired),
+            }
+        )
     if dist.get_rank() == 0:
         (run_dir / "gns_bench.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -72,16 +83,33 @@ def main() -> None:
         run_dir = Path(tmp) / "run"
         prepare_run_dir(run_dir, args.config, cfg)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc-per-node={cfg.cluster.world}", __file__, "--ranks", str(run_dir),
-                        str(args.gbs), str(args.steps)], env=env, check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={cfg.cluster.world}",
+                __file__,
+                "--ranks",
+                str(run_dir),
+                str(args.gbs),
+                str(args.steps),
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         rows = json.loads((run_dir / "gns_bench.json").read_text())
     print(f"GNS measurement overhead, {args.config.name}, {args.steps} alternating steps per layout (median)")
     print(f"{'layout':<26} {'path':<22} {'off s/it':>9} {'on s/it':>9} {'overhead':>9}  (median paired difference)")
     for r in rows:
         dp = int(r["layout"].split("-")[0][2:])
-        path = ("DDP comm hook" if "tp1-pp1" in r["layout"] else "pre-all-reduce norm") if dp > 1 \
+        path = (
+            ("DDP comm hook" if "tp1-pp1" in r["layout"] else "pre-all-reduce norm")
+            if dp > 1
             else "first micro-batch hook"
+        )
         print(f"{r['layout']:<26} {path:<22} {r['off']:>9.4f} {r['on']:>9.4f} {100 * r['diff'] / r['off']:>8.1f}%")
 
 

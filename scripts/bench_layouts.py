@@ -29,17 +29,28 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from cona_cli.control.run_setup import prepare_run_dir, resolve_config  # noqa: E402
 from cona_cli.rundir import RunDir  # noqa: E402
 from cona_cli.strategy import Strategy  # noqa: E402
-from cona_cli.control.run_setup import prepare_run_dir, resolve_config  # noqa: E402
 
 
 def measure_layouts(run_dir: Path, world: int, gbs: str, steps: int, rounds: int, min_s: float) -> dict:
     out = run_dir / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(REPO / "scripts" / "bench_layouts_ranks.py"), str(run_dir), str(out), gbs, str(steps), str(rounds),
-           str(min_s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        str(REPO / "scripts" / "bench_layouts_ranks.py"),
+        str(run_dir),
+        str(out),
+        gbs,
+        str(steps),
+        str(rounds),
+        str(min_s),
+    ]
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     return json.loads(out.read_text())
 
@@ -48,13 +59,26 @@ def measure_startup(config: Path, world: int, gbs: int) -> float:
     """Seconds from the controller's launch event to the end of the first step, minus that step."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        cmd = [sys.executable, "-c", "from cona_cli.app import main; main()", "train", str(config),
-               "--strategy", f"dp{world}-tp1-pp1-mbs2-gbs{gbs}", "--max-steps", "2", "--run-dir", str(run)]
+        cmd = [
+            sys.executable,
+            "-c",
+            "from cona_cli.app import main; main()",
+            "train",
+            str(config),
+            "--strategy",
+            f"dp{world}-tp1-pp1-mbs2-gbs{gbs}",
+            "--max-steps",
+            "2",
+            "--run-dir",
+            str(run),
+        ]
         subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
-        launch = next(e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
-                      if e["kind"] == "launch")
-        first = next(r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-                     if r["kind"] == "step")
+        launch = next(
+            e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["kind"] == "launch"
+        )
+        first = next(
+            r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"
+        )
         return first["time"] - first["iter_s"] - launch["time"]
 
 
@@ -115,25 +139,35 @@ def main() -> None:
     startup = measure_startup(args.config, world, int(args.gbs.split(",")[0]))
 
     seq = cfg.model.seq_len
-    print(f"config {args.config.name}: world {world}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
-          f"seq {seq}; {args.rounds} shuffled rounds x at least {args.steps} steps and {args.min_seconds:g} s "
-          "per layout (median of all), OMP_NUM_THREADS=1 per rank")
+    print(
+        f"config {args.config.name}: world {world}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
+        f"seq {seq}; {args.rounds} shuffled rounds x at least {args.steps} steps and {args.min_seconds:g} s "
+        "per layout (median of all), OMP_NUM_THREADS=1 per rank"
+    )
     print(f"{'dp':>3} {'tp':>3} {'pp':>3} {'mbs':>4} {'gbs':>4} {'micro':>5} {'s/iter':>8} {'tokens/s':>9}")
     for r in sorted(res["rows"], key=lambda r: (r["gbs"], r["iter_s"])):
         s = Strategy(r["dp"], r["tp"], r["pp"], r["mbs"], r["gbs"])
-        print(f"{s.dp:>3} {s.tp:>3} {s.pp:>3} {s.mbs:>4} {s.gbs:>4} {s.n_microbatches:>5} {r['iter_s']:>8.3f} "
-              f"{s.gbs * seq / r['iter_s']:>9.0f}")
-    spread = [statistics.stdev(r["round_s"]) / statistics.mean(r["round_s"]) for r in res["rows"]
-              if len(r["round_s"]) > 1]
+        print(
+            f"{s.dp:>3} {s.tp:>3} {s.pp:>3} {s.mbs:>4} {s.gbs:>4} {s.n_microbatches:>5} {r['iter_s']:>8.3f} "
+            f"{s.gbs * seq / r['iter_s']:>9.0f}"
+        )
+    spread = [
+        statistics.stdev(r["round_s"]) / statistics.mean(r["round_s"]) for r in res["rows"] if len(r["round_s"]) > 1
+    ]
     if spread:
-        print(f"noise: relative std of a layout's per-round median, median over layouts "
-              f"{statistics.median(spread):.1%} (max {max(spread):.1%})")
+        print(
+            f"noise: relative std of a layout's per-round median, median over layouts "
+            f"{statistics.median(spread):.1%} (max {max(spread):.1%})"
+        )
     d = res["dcp"]
     print(f"torchrun start-up (launch to first step): {startup:.1f} s")
-    print(f"DCP save {d['save_s']:.2f} s, load (resharded dp{world}->tp2) {d['load_s']:.2f} s, "
-          f"{d['bytes'] / 1e6:.1f} MB")
-    print(f"(1,1,1) step: cona {ours_s * 1e3:.1f} ms vs plain PyTorch loop {plain_s * 1e3:.1f} ms: "
-          f"ratio {ours_s / plain_s:.3f} (target <= 1.10)")
+    print(
+        f"DCP save {d['save_s']:.2f} s, load (resharded dp{world}->tp2) {d['load_s']:.2f} s, {d['bytes'] / 1e6:.1f} MB"
+    )
+    print(
+        f"(1,1,1) step: cona {ours_s * 1e3:.1f} ms vs plain PyTorch loop {plain_s * 1e3:.1f} ms: "
+        f"ratio {ours_s / plain_s:.3f} (target <= 1.10)"
+    )
     print(f"wrote {args.out} ({len(rows)} rows)")
 
 

@@ -7,7 +7,8 @@ measured last (an earlier version timed every gbs-16 layout before every gbs-64 
 batches look slower per sample). The time floor gives fast layouts many steps: a 50 ms step on 4
 processes sharing 2 cores jitters by +-30% with the scheduler, a 2 s step averages that out itself.
 
-Usage: torchrun --standalone --nproc-per-node W scripts/bench_layouts_ranks.py RUN_DIR OUT_JSON GBS[,GBS] STEPS ROUNDS MIN_S
+Usage: torchrun --standalone --nproc-per-node W scripts/bench_layouts_ranks.py \
+    RUN_DIR OUT_JSON GBS[,GBS] STEPS ROUNDS MIN_S
 """
 
 from __future__ import annotations
@@ -76,8 +77,7 @@ def share_meshes() -> None:
     worker_module.build_mesh = shared
 
 
-def time_layouts(cfg, run_dir: Path, strategies: list[Strategy], steps: int, rounds: int,
-                 min_s: float) -> list[dict]:
+def time_layouts(cfg, run_dir: Path, strategies: list[Strategy], steps: int, rounds: int, min_s: float) -> list[dict]:
     """Every layout's step times over `rounds` shuffled rounds (the same order on every rank), each
     measured in a fresh worker with nothing else alive, as in a launch."""
     times: dict[Strategy, list[list[float]]] = {s: [] for s in strategies}
@@ -93,8 +93,16 @@ def time_layouts(cfg, run_dir: Path, strategies: list[Strategy], steps: int, rou
     rows = []
     for s, per_round in times.items():
         flat = [t for r in per_round for t in r]
-        rows.append({**s.to_dict(), "iter_s": statistics.median(flat), "min_s": min(flat), "max_s": max(flat),
-                     "n": len(flat), "round_s": [statistics.median(r) for r in per_round]})
+        rows.append(
+            {
+                **s.to_dict(),
+                "iter_s": statistics.median(flat),
+                "min_s": min(flat),
+                "max_s": max(flat),
+                "n": len(flat),
+                "round_s": [statistics.median(r) for r in per_round],
+            }
+        )
     return rows
 
 
@@ -106,8 +114,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = config_from_json((run_dir / "config.resolved.json").read_text(), "bench")
     share_meshes()
-    rows = time_layouts(cfg, run_dir, layouts(dist.get_world_size(), cfg, gbs_values), steps, rounds,
-                        min_s)
+    rows = time_layouts(cfg, run_dir, layouts(dist.get_world_size(), cfg, gbs_values), steps, rounds, min_s)
     # DCP save under one layout, load under another (resharding), timed.
     w = Worker(cfg, run_dir, Strategy.parse(f"dp{dist.get_world_size()}-tp1-pp1-mbs2-gbs{gbs_values[0]}"), launch=1)
     w.train_step(False)

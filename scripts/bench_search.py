@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from cona_cli.planner.calibration import Calibrator
 from cona_cli.config import Config, config_from_dict, load_config
+from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import load_hardware
-from cona_cli.planner.workload import Workload
 from cona_cli.planner.search import plan
+from cona_cli.planner.workload import Workload
 
 GPT3_6B7 = {
     "model": {"n_layers": 32, "d_model": 4096, "n_heads": 32, "ffn": 16384, "seq_len": 2048},
@@ -26,8 +26,13 @@ GPT3_175B = {
     "model": {"n_layers": 96, "d_model": 12288, "n_heads": 96, "ffn": 49152, "seq_len": 2048},
     "data": {"vocab_size": 51200},
     "cluster": {"nodes": 128, "procs_per_node": 8, "backend": "nccl"},
-    "search": {"hardware": "a100-80gb-8", "gbs_ladder": [1536], "mbs": [1, 2, 4, 8],
-               "precision": "bf16", "recompute": True},
+    "search": {
+        "hardware": "a100-80gb-8",
+        "gbs_ladder": [1536],
+        "mbs": [1, 2, 4, 8],
+        "precision": "bf16",
+        "recompute": True,
+    },
 }
 
 
@@ -40,9 +45,13 @@ def bench(name: str, cfg: Config, gbs: int) -> None:
         cpu = time.process_time() - start
         best = result.best
         how = "exhaustive" if result.exhaustive else "BO"
-        print(f"{name:<34} gbs {gbs:<5} {label:<10} {cpu:6.3f} s CPU  {how:<10} "
-              f"evaluated {len(result.ranked):>3}/{result.n_feasible:<4} rejected {len(result.rejected):<4} "
-              f"best {best.strategy} {best.time_s:.3g} s/iter" if best else "no feasible strategy")
+        print(
+            f"{name:<34} gbs {gbs:<5} {label:<10} {cpu:6.3f} s CPU  {how:<10} "
+            f"evaluated {len(result.ranked):>3}/{result.n_feasible:<4} rejected {len(result.rejected):<4} "
+            f"best {best.strategy} {best.time_s:.3g} s/iter"
+            if best
+            else "no feasible strategy"
+        )
 
 
 def main() -> None:

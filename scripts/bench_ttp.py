@@ -25,16 +25,20 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cona_cli.planner.space import gbs_ladder  # noqa: E402
 from cona_cli.config import load_config  # noqa: E402
+from cona_cli.planner.space import gbs_ladder  # noqa: E402
 
 
 def variants(doc: dict, ladder: list[int], gbs_static: int) -> dict[str, dict]:
     def static(gbs: int) -> dict:
         return {**doc, "policy": "static", "strategy": "auto", "search": {**doc.get("search", {}), "gbs_static": gbs}}
 
-    return {"cona": {**doc, "policy": "cona"}, "static-auto": static(gbs_static),
-            "static-min": static(ladder[0]), "static-max": static(ladder[-1])}
+    return {
+        "cona": {**doc, "policy": "cona"},
+        "static-auto": static(gbs_static),
+        "static-min": static(ladder[0]),
+        "static-max": static(ladder[-1]),
+    }
 
 
 def main() -> None:

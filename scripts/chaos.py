@@ -26,19 +26,29 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cona_cli.control import usable_checkpoints as checkpoints  # noqa: E402
-from cona_cli.control.usable_checkpoints import expected_shapes  # noqa: E402
 from cona_cli.control.runstate import RunState  # noqa: E402
+from cona_cli.control.usable_checkpoints import expected_shapes  # noqa: E402
 from tests.support import TINY, write_config  # noqa: E402
 
 STEPS = 30
-DOC = {**TINY, "cluster": {"procs_per_node": 2}, "strategy": "dp2-tp1-pp1-mbs2-gbs16",
-       "train": {**TINY["train"], "max_steps": STEPS, "checkpoint_interval": 5, "max_restarts": 5}}
+DOC = {
+    **TINY,
+    "cluster": {"procs_per_node": 2},
+    "strategy": "dp2-tp1-pp1-mbs2-gbs16",
+    "train": {**TINY["train"], "max_steps": STEPS, "checkpoint_interval": 5, "max_restarts": 5},
+}
 ENV = {**os.environ, "CONA_TEST_SAVE_DELAY_S": "0.3"}
 
 
 def cona(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "from cona_cli.app import main; main()", *args], cwd=REPO,
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", "from cona_cli.app import main; main()", *args],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def rows(path: Path) -> list[dict]:
@@ -115,8 +125,11 @@ def one_run(tmp: Path, rng: random.Random) -> dict:
     _, err = proc.communicate(timeout=600)
     steps = [r for r in rows(run / "metrics.jsonl") if r.get("kind") == "step"]
     final = {r["step"]: r for r in steps}
-    ok = proc.returncode == 0 and sorted(final) == list(range(1, STEPS + 1)) and \
-        all(r["consumed_samples"] == r["step"] * 16 for r in steps)
+    ok = (
+        proc.returncode == 0
+        and sorted(final) == list(range(1, STEPS + 1))
+        and all(r["consumed_samples"] == r["step"] * 16 for r in steps)
+    )
     lost = 0
     for e in rows(run / "events.jsonl"):  # steps reached before a recovery minus the step it restored
         if e.get("kind") == "launch" and e.get("reason") in ("restart", "resume"):
@@ -129,8 +142,14 @@ def one_run(tmp: Path, rng: random.Random) -> dict:
     root = run / "checkpoints"
     corrupt = sum(not checkpoint_loads(p, shapes, DOC, vocab) for p in checkpoints.committed(root))
     corrupt += sum(1 for p in root.iterdir() if p.name.startswith("bad")) if root.is_dir() else 0
-    return {"ok": ok, "kills": kills, "lost": lost, "corrupt": corrupt, "loss": final.get(STEPS, {}).get("loss"),
-            "err": "" if ok else err[-1500:]}
+    return {
+        "ok": ok,
+        "kills": kills,
+        "lost": lost,
+        "corrupt": corrupt,
+        "loss": final.get(STEPS, {}).get("loss"),
+        "err": "" if ok else err[-1500:],
+    }
 
 
 def main() -> None:
@@ -148,15 +167,20 @@ def main() -> None:
     for i in range(args.n):
         r = one_run(base / f"run{i:03d}", rng)
         results.append(r)
-        print(f"run {i + 1}/{args.n}: {'completed' if r['ok'] else 'FAILED'}, kills {r['kills']}, "
-              f"lost {r['lost']} steps, corrupt checkpoints {r['corrupt']}, final loss {r['loss']}", flush=True)
+        print(
+            f"run {i + 1}/{args.n}: {'completed' if r['ok'] else 'FAILED'}, kills {r['kills']}, "
+            f"lost {r['lost']} steps, corrupt checkpoints {r['corrupt']}, final loss {r['loss']}",
+            flush=True,
+        )
         if r["err"]:
             print(r["err"], flush=True)
     losses = {round(r["loss"], 4) for r in results if r["loss"] is not None}
     print(f"\nruns completed:          {sum(r['ok'] for r in results)}/{args.n}")
-    print(f"kills survived:          {sum(sum(r['kills'].values()) for r in results if r['ok'])} "
-          f"(worker {sum(r['kills']['worker'] for r in results)}, "
-          f"controller {sum(r['kills']['controller'] for r in results)})")
+    print(
+        f"kills survived:          {sum(sum(r['kills'].values()) for r in results if r['ok'])} "
+        f"(worker {sum(r['kills']['worker'] for r in results)}, "
+        f"controller {sum(r['kills']['controller'] for r in results)})"
+    )
     print(f"checkpoints corrupted:   {sum(r['corrupt'] for r in results)}")
     print(f"largest loss of progress: {max((r['lost'] for r in results), default=0)} steps")
     print(f"final losses (distinct): {sorted(losses)}")

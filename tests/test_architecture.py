@@ -112,16 +112,25 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_private_names_imported_across_modules() -> None:
     modules = _modules()
-    private = [f"{path.relative_to(REPO)}:{line}: {target}.{n}"
-               for name, path in modules.items() for target, names, line in _imports(name, path, modules)
-               for n in names if n.startswith("_")]
+    private = [
+        f"{path.relative_to(REPO)}:{line}: {target}.{n}"
+        for name, path in modules.items()
+        for target, names, line in _imports(name, path, modules)
+        for n in names
+        if n.startswith("_")
+    ]
     assert private == []
 
 
 def test_workers_import_only_the_shared_modules_of_the_controller_side() -> None:
     modules = _modules()
-    taken = {target for name, path in modules.items() if name.startswith("launch")
-             for target, _, _ in _imports(name, path, modules) if target.startswith("cona_cli")}
+    taken = {
+        target
+        for name, path in modules.items()
+        if name.startswith("launch")
+        for target, _, _ in _imports(name, path, modules)
+        if target.startswith("cona_cli")
+    }
     assert taken <= SHARED_WITH_WORKERS, taken - SHARED_WITH_WORKERS
 
 

@@ -14,14 +14,19 @@ from cona_cli.planner.calibration import UNCALIBRATED_REL_STD, Calibrator
 from cona_cli.planner.costmodel import as_array, iteration_time
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.workload import Workload
-from launch.models.shape import ModelShape
 from cona_cli.strategy import Strategy
+from launch.models.shape import ModelShape
 from tests.support import REPO
 
-W = Workload(ModelShape(n_layers=4, d_model=64, n_heads=4, kv_heads=4, ffn=256, seq_len=64, vocab=512),
-             procs_per_node=4)
-LAYOUTS = [Strategy(dp, tp, pp, mbs, 32) for (dp, tp, pp), mbs in itertools.product(
-    [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (1, 4, 1)], [1, 4])]
+W = Workload(
+    ModelShape(n_layers=4, d_model=64, n_heads=4, kv_heads=4, ffn=256, seq_len=64, vocab=512), procs_per_node=4
+)
+LAYOUTS = [
+    Strategy(dp, tp, pp, mbs, 32)
+    for (dp, tp, pp), mbs in itertools.product(
+        [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (1, 4, 1)], [1, 4]
+    )
+]
 
 
 def _measure(cal, true_hw, strategies, noise=0.0, seed=0):
@@ -86,8 +91,13 @@ def test_state_round_trips_through_json():
 def test_bench_costmodel_predicts_the_recorded_held_out_layouts_of_this_machine():
     """scripts/bench_costmodel.py on the committed recording: fitted on 6 layouts, the other 31
     within the issue's 10% MAPE (deterministic: fixed data, seeded fit)."""
-    out = subprocess.run([sys.executable, "scripts/bench_costmodel.py", "--cv", "0"], cwd=REPO, text=True,
-                         capture_output=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_costmodel.py", "--cv", "0"],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     found = re.search(r"MAPE on 31 held-out layouts: ([\d.]+)%", out.stdout)
     assert found and float(found.group(1)) <= 10.0, out.stdout[-1500:]

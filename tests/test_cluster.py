@@ -15,13 +15,13 @@ import pytest
 from typer.testing import CliRunner
 
 from cona_cli.app import app
+from cona_cli.cluster.launchers import Agent, LocalLauncher, SlurmLauncher, SshLauncher
 from cona_cli.cluster.nodes import ClusterError, Node, Rendezvous, rendezvous, resolve_nodes, torchrun_args
+from cona_cli.cluster.sbatch import sbatch_script
+from cona_cli.cluster.shared_storage import check_shared
 from cona_cli.cluster.slurm import SlurmError, allocation_hosts, expand_nodelist
 from cona_cli.config import ConfigError, config_from_dict, load_config
 from cona_cli.control.failures import failed_host, parse_failure
-from cona_cli.cluster.launchers import Agent, LocalLauncher, SlurmLauncher, SshLauncher
-from cona_cli.cluster.sbatch import sbatch_script
-from cona_cli.cluster.shared_storage import check_shared
 from tests.support import REPO, TINY, write_config
 
 
@@ -33,8 +33,15 @@ def _cfg(cluster: dict):
 
 
 def test_nodes_as_host_list_means_ssh_and_round_trips() -> None:
-    cfg = _cfg({"nodes": ["10.0.0.1", {"host": "me@10.0.0.2", "env": {"GLOO_SOCKET_IFNAME": "eth1"},
-                                       "workdir": "/shared/cona"}], "procs_per_node": 2})
+    cfg = _cfg(
+        {
+            "nodes": [
+                "10.0.0.1",
+                {"host": "me@10.0.0.2", "env": {"GLOO_SOCKET_IFNAME": "eth1"}, "workdir": "/shared/cona"},
+            ],
+            "procs_per_node": 2,
+        }
+    )
     c = cfg.cluster
     assert (c.nodes, c.launcher, c.world) == (2, "ssh", 4)
     assert [h.addr for h in c.hosts] == ["10.0.0.1", "10.0.0.2"]
@@ -46,18 +53,24 @@ def test_nodes_as_host_list_means_ssh_and_round_trips() -> None:
     assert nodes[0].workdir == os.getcwd()
 
 
-@pytest.mark.parametrize("cluster, message", [
-    ({"nodes": "many"}, "cluster.nodes: must be a count, a list of hosts, or slurm"),
-    ({"nodes": []}, "cluster.nodes: an empty list"),
-    ({"nodes": ["a", "root@a"], "procs_per_node": 2}, "cluster.nodes: a is listed twice"),
-    ({"nodes": [{"host": "a", "gpus": 8}, "b"], "procs_per_node": 2}, "cluster.nodes[0].gpus: unknown key"),
-    ({"nodes": [{"host": "a", "env": {"X": 1}}, "b"], "procs_per_node": 2}, "cluster.nodes[0].env: must be a mapping"),
-    ({"nodes": ["a", "b"], "procs_per_node": 2, "launcher": "local"}, "a list of hosts needs launcher ssh"),
-    ({"nodes": 2, "procs_per_node": 2, "launcher": "ssh"}, "launcher ssh needs a list of hosts"),
-    ({"nodes": 2, "procs_per_node": 2, "launcher": "mpirun"}, "cluster.launcher: must be one of local, ssh, slurm"),
-    ({"nodes": 2, "procs_per_node": 2, "env": {"X": 3}}, "cluster.env: must be a mapping of names to strings"),
-    ({"nodes": 2, "procs_per_node": 2, "ssh_args": "-p 22"}, "cluster.ssh_args: must be a list of a string"),
-])
+@pytest.mark.parametrize(
+    "cluster, message",
+    [
+        ({"nodes": "many"}, "cluster.nodes: must be a count, a list of hosts, or slurm"),
+        ({"nodes": []}, "cluster.nodes: an empty list"),
+        ({"nodes": ["a", "root@a"], "procs_per_node": 2}, "cluster.nodes: a is listed twice"),
+        ({"nodes": [{"host": "a", "gpus": 8}, "b"], "procs_per_node": 2}, "cluster.nodes[0].gpus: unknown key"),
+        (
+            {"nodes": [{"host": "a", "env": {"X": 1}}, "b"], "procs_per_node": 2},
+            "cluster.nodes[0].env: must be a mapping",
+        ),
+        ({"nodes": ["a", "b"], "procs_per_node": 2, "launcher": "local"}, "a list of hosts needs launcher ssh"),
+        ({"nodes": 2, "procs_per_node": 2, "launcher": "ssh"}, "launcher ssh needs a list of hosts"),
+        ({"nodes": 2, "procs_per_node": 2, "launcher": "mpirun"}, "cluster.launcher: must be one of local, ssh, slurm"),
+        ({"nodes": 2, "procs_per_node": 2, "env": {"X": 3}}, "cluster.env: must be a mapping of names to strings"),
+        ({"nodes": 2, "procs_per_node": 2, "ssh_args": "-p 22"}, "cluster.ssh_args: must be a list of a string"),
+    ],
+)
 def test_bad_cluster_sections_name_the_key(cluster: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         _cfg(cluster)
@@ -95,9 +108,16 @@ def test_local_nodes_meet_in_a_c10d_rendezvous_hosted_by_node_0() -> None:
     argv = [torchrun_args(c, n, rdzv) for n in nodes]
     for i, a in enumerate(argv):
         assert a[:3] == [sys.executable, "-m", "torch.distributed.run"]
-        assert {"--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}",
-                "--rdzv-id=cona-abc-3", "--max-restarts=0", "--local-addr=127.0.0.1",
-                f"--rdzv-conf=is_host={int(i == 0)}"} <= set(a)
+        assert {
+            "--nnodes=2",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv.endpoint}",
+            "--rdzv-id=cona-abc-3",
+            "--max-restarts=0",
+            "--local-addr=127.0.0.1",
+            f"--rdzv-conf=is_host={int(i == 0)}",
+        } <= set(a)
         assert "--standalone" not in a
     single = _cfg({"nodes": 1, "procs_per_node": 4}).cluster
     assert "--standalone" in torchrun_args(single, None, None)
@@ -110,14 +130,28 @@ def test_explicit_rendezvous_endpoint_is_kept() -> None:
 
 
 def test_ssh_command_runs_the_node_agent_and_sends_the_environment_on_stdin() -> None:
-    c = _cfg({"nodes": ["alice@10.0.0.1", "10.0.0.2"], "procs_per_node": 2, "ssh_args": ["-p", "2222"],
-              "env": {"NCCL_DEBUG": "WARN"}, "python": "/opt/venv/bin/python"}).cluster
+    c = _cfg(
+        {
+            "nodes": ["alice@10.0.0.1", "10.0.0.2"],
+            "procs_per_node": 2,
+            "ssh_args": ["-p", "2222"],
+            "env": {"NCCL_DEBUG": "WARN"},
+            "python": "/opt/venv/bin/python",
+        }
+    ).cluster
     node = Node(0, "alice@10.0.0.1", "10.0.0.1", {"GLOO_SOCKET_IFNAME": "ib0"}, "/shared/my project")
     ssh = SshLauncher(c)
     cmd = ssh.command(node)
     assert cmd[:4] == ["ssh", "-T", "-o", "BatchMode=yes"] and cmd[4:7] == ["-p", "2222", "alice@10.0.0.1"]
-    assert shlex.split(cmd[7]) == ["cd", "/shared/my project", "&&", "exec", "/opt/venv/bin/python", "-m",
-                                   "launch.node.agent"]
+    assert shlex.split(cmd[7]) == [
+        "cd",
+        "/shared/my project",
+        "&&",
+        "exec",
+        "/opt/venv/bin/python",
+        "-m",
+        "launch.node.agent",
+    ]
     env = ssh.remote_env(node, {"CONA_TELEMETRY_TOKEN": "secret"})
     assert env["NCCL_DEBUG"] == "WARN" and env["GLOO_SOCKET_IFNAME"] == "ib0"
     assert env["CONA_TELEMETRY_TOKEN"] == "secret" and "secret" not in " ".join(cmd)
@@ -127,27 +161,45 @@ def test_srun_command_starts_one_agent_per_node(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[1-2]")
     c = _cfg({"nodes": "slurm", "procs_per_node": 2, "srun_args": ["--cpu-bind=none"]}).cluster
     nodes = resolve_nodes(c)
-    assert SlurmLauncher(c).command(nodes) == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
-                                               "--kill-on-bad-exit=1", "--label", "--cpu-bind=none"]
+    assert SlurmLauncher(c).command(nodes) == [
+        "srun",
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "--label",
+        "--cpu-bind=none",
+    ]
     line = torchrun_args(c, None, Rendezvous("gpu1:29500", "r", None))  # one line for every node
     assert "--rdzv-endpoint=gpu1:29500" in line and not any(a.startswith(("--local-addr", "--rdzv-conf")) for a in line)
 
 
 def test_sbatch_script(tmp_path: Path) -> None:
     doc = copy.deepcopy(TINY)
-    doc["cluster"] = {"nodes": 2, "procs_per_node": 8, "launcher": "slurm", "backend": "nccl",
-                      "sbatch_options": ["--time=24:00:00", "--gpus-per-node=8"]}
+    doc["cluster"] = {
+        "nodes": 2,
+        "procs_per_node": 8,
+        "launcher": "slurm",
+        "backend": "nccl",
+        "sbatch_options": ["--time=24:00:00", "--gpus-per-node=8"],
+    }
     doc.pop("strategy")
     cfg_path = write_config(tmp_path / "c.yaml", doc)
     script = tmp_path / "job.sh"
     run = tmp_path / "runs" / "r1"
-    result = CliRunner().invoke(app, ["train", str(cfg_path), "--sbatch", str(script), "--run-dir", str(run),
-                                      "--max-steps", "50"])
+    result = CliRunner().invoke(
+        app, ["train", str(cfg_path), "--sbatch", str(script), "--run-dir", str(run), "--max-steps", "50"]
+    )
     assert result.exit_code == 0, result.output
     text = script.read_text()
     assert text.startswith("#!/bin/bash\n") and os.access(script, os.X_OK)
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={run}/slurm-%j.out",
-                 "#SBATCH --time=24:00:00", "#SBATCH --gpus-per-node=8"):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={run}/slurm-%j.out",
+        "#SBATCH --time=24:00:00",
+        "#SBATCH --gpus-per-node=8",
+    ):
         assert line in text.splitlines()
     last = shlex.split(text.splitlines()[-1])
     assert last[:5] == ["exec", sys.executable, "-m", "cona_cli", "train"]
@@ -175,8 +227,10 @@ def test_failure_blame() -> None:
     agent = Agent("srun", [Node(0, "gpu6", "gpu6"), Node(1, "gpu7", "gpu7")], proc=None)  # type: ignore[arg-type]
     assert failed_host(agent, SRUN_LOG) == "gpu7"
     assert failed_host(Agent("b", [Node(1, "b", "b")], proc=None), "") == "b"  # type: ignore[arg-type]
-    root = ("Root Cause (first observed failure):\n[0]:\n  time : x\n  host : h\n  rank      : 0 (local_rank: 0)\n"
-            "  exitcode  : 1 (pid: 5)\n")
+    root = (
+        "Root Cause (first observed failure):\n[0]:\n  time : x\n  host : h\n  rank      : 0 (local_rank: 0)\n"
+        "  exitcode  : 1 (pid: 5)\n"
+    )
     lost_peer = parse_failure("[default0]:[rank0]: RuntimeError: Read error: Connection reset by peer\n" + root, 1)
     assert lost_peer.knock_on
     own = parse_failure("[default0]:[rank0]: ValueError: loss is nan\n" + root, 1)
@@ -203,8 +257,11 @@ class AllButTheLast(LocalLauncher):
 
 def test_storage_probe_names_the_file_a_node_cannot_see(tmp_path: Path) -> None:
     c = _cfg({"nodes": 4, "procs_per_node": 1, "workdir": str(REPO)}).cluster
-    with pytest.raises(ClusterError, match=r"node node0 failed the shared-storage check of .*: storage probe: "
-                                           r"node 0 \(.*\) cannot see node_3 in"):
+    with pytest.raises(
+        ClusterError,
+        match=r"node node0 failed the shared-storage check of .*: storage probe: "
+        r"node 0 \(.*\) cannot see node_3 in",
+    ):
         check_shared(AllButTheLast(c), resolve_nodes(c), tmp_path, timeout_s=1)
 
 
@@ -215,8 +272,19 @@ def test_shipped_cluster_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     local = load_config(REPO / "configs" / "tiny-2node.yaml").cluster
     assert (local.launcher, local.nodes, local.world) == ("local", 2, 4)
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(app, ["train", str(REPO / "configs" / "cluster-slurm-a6000.yaml"), "--sbatch",
-                                      "job.sh", "--run-dir", "runs/gpt3", "--max-steps", "1000"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            str(REPO / "configs" / "cluster-slurm-a6000.yaml"),
+            "--sbatch",
+            "job.sh",
+            "--run-dir",
+            "runs/gpt3",
+            "--max-steps",
+            "1000",
+        ],
+    )
     assert result.exit_code == 0, result.output
     text = (tmp_path / "job.sh").read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=8" in text

@@ -28,8 +28,10 @@ BAD = [
     ({"strategy": "dp1-tp1-pp3-mbs1-gbs12", "cluster": {"procs_per_node": 3}}, "n_layers 4 not divisible by pp 3"),
     ({"strategy": "dp4-tp1-pp1-mbs3-gbs16"}, "gbs 16 not divisible by dp*mbs = 12"),
     ({"strategy": "dp4-tp1-pp1-mbs2"}, "expected the form dp2-tp1-pp2-mbs2-gbs16"),
-    ({"chain": [{"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 16}, {"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 32}]},
-     "chain[0].steps: required"),
+    (
+        {"chain": [{"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 16}, {"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 32}]},
+        "chain[0].steps: required",
+    ),
     ({"policy": "greedy"}, "policy: must be one of"),
     ({"optimizer": {"name": "sgd"}}, "optimizer: unknown section"),
 ]
@@ -84,9 +86,19 @@ def test_round_trip_through_worker_json() -> None:
 
     from cona_cli.config import config_from_json
 
-    cfg = config_from_dict(_merge(TINY, {"chain": [{"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 16, "steps": 5},
-                                                   {"dp": 2, "tp": 2, "pp": 1, "mbs": 2, "gbs": 32}],
-                                         "strategy": None}), "x")
+    cfg = config_from_dict(
+        _merge(
+            TINY,
+            {
+                "chain": [
+                    {"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 16, "steps": 5},
+                    {"dp": 2, "tp": 2, "pp": 1, "mbs": 2, "gbs": 32},
+                ],
+                "strategy": None,
+            },
+        ),
+        "x",
+    )
     again = config_from_json(json.dumps(cfg.to_raw()), "x")
     assert again == cfg
     with pytest.raises(ConfigError):

@@ -9,11 +9,15 @@ from cona_cli.config import ConfigError, load_config
 from cona_cli.planner.costmodel import as_array, iteration_time
 from cona_cli.planner.hardware import HARDWARE_DIR, hardware_from_dict, load_hardware
 from cona_cli.planner.workload import Workload
-from launch.models.shape import ModelShape
 from cona_cli.strategy import Strategy
+from launch.models.shape import ModelShape
 
-W = Workload(ModelShape(n_layers=24, d_model=2048, n_heads=16, kv_heads=16, ffn=8192, seq_len=2048, vocab=50257),
-             precision="bf16", nodes=2, procs_per_node=8)
+W = Workload(
+    ModelShape(n_layers=24, d_model=2048, n_heads=16, kv_heads=16, ffn=8192, seq_len=2048, vocab=50257),
+    precision="bf16",
+    nodes=2,
+    procs_per_node=8,
+)
 
 
 def _t(hw, w, *strategies):
@@ -40,14 +44,22 @@ def test_shipped_profiles_load_and_bad_ones_are_refused(tmp_path):
 
 def test_more_data_parallel_shards_means_less_time_per_step():
     hw = load_hardware("a6000-2x8")
-    t = _t(hw, W, "dp1-tp1-pp1-mbs1-gbs64", "dp2-tp1-pp1-mbs1-gbs64", "dp4-tp1-pp1-mbs1-gbs64",
-           "dp8-tp1-pp1-mbs1-gbs64")
+    t = _t(
+        hw, W, "dp1-tp1-pp1-mbs1-gbs64", "dp2-tp1-pp1-mbs1-gbs64", "dp4-tp1-pp1-mbs1-gbs64", "dp8-tp1-pp1-mbs1-gbs64"
+    )
     assert (np.diff(t) < 0).all()
 
 
 def test_larger_pipeline_at_fixed_microbatches_has_a_larger_bubble():
-    hw = dataclasses.replace(load_hardware("a6000-2x8"), intra_latency_us=0, inter_latency_us=0,
-                             intra_bw_gbs=1e9, inter_bw_gbs=1e9, step_overhead_ms=0, layer_overhead_us=0)
+    hw = dataclasses.replace(
+        load_hardware("a6000-2x8"),
+        intra_latency_us=0,
+        inter_latency_us=0,
+        intra_bw_gbs=1e9,
+        inter_bw_gbs=1e9,
+        step_overhead_ms=0,
+        layer_overhead_us=0,
+    )
     w = dataclasses.replace(W, nodes=1)
     m = 8
     t = _t(hw, w, *(f"dp1-tp1-pp{pp}-mbs1-gbs{m}" for pp in (1, 2, 4, 8)))

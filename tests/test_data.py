@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import shutil
 import subprocess
@@ -16,10 +17,19 @@ from tokenizers import Tokenizer
 
 import launch.data as data_mod
 from cona_cli.config import DataConfig
-from launch.data import (CorpusInfo, DataError, TokenStream, eval_batches, prepare_corpus,
-                         replica_microbatches, synthetic_corpus)
+from launch.data import (
+    CorpusInfo,
+    DataError,
+    TokenStream,
+    eval_batches,
+    prepare_corpus,
+    replica_microbatches,
+    synthetic_corpus,
+)
 
-WIKITEXT = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikitext-2-raw"  # shared/ beside the repo
+WIKITEXT = (
+    Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikitext-2-raw"
+)  # shared/ beside the repo
 SEQ = 8
 
 
@@ -53,7 +63,7 @@ def test_synthetic_corpus_is_deterministic_and_structured() -> None:
     words = train.lower().replace(",", " ").replace(".", " ").split()
     assert len(words) == 30_000 and 2_500 <= len(valid.split()) <= 3_500
     uni = collections.Counter(words)
-    bi = collections.Counter(zip(words, words[1:]))
+    bi = collections.Counter(itertools.pairwise(words))
     n = len(words)
     h_uni = -sum(c / n * math.log2(c / n) for c in uni.values())
     h_bi = -sum(c / (n - 1) * math.log2(c / uni[a]) for (a, _), c in bi.items())
@@ -100,15 +110,18 @@ def test_byte_tokenizer_and_folder_cache(tmp_path: Path, _cache: Path) -> None:
 
 
 def test_concurrent_prepare_builds_once(tmp_path: Path) -> None:
-    code = ("import sys; from cona_cli.config import DataConfig; from launch.data import prepare_corpus; "
-            "print(prepare_corpus(DataConfig(vocab_size=400, synthetic_tokens=50_000, "
-            f"cache_dir={str(tmp_path / 'c')!r}), seed=2).to_json())")
+    code = (
+        "import sys; from cona_cli.config import DataConfig; from launch.data import prepare_corpus; "
+        "print(prepare_corpus(DataConfig(vocab_size=400, synthetic_tokens=50_000, "
+        f"cache_dir={str(tmp_path / 'c')!r}), seed=2).to_json())"
+    )
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=60)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert outs[0] == outs[1]
-    assert [p.name for p in (tmp_path / "c").iterdir() if not p.name.endswith(".lock")] == \
-        [Path(CorpusInfo.from_json(outs[0]).train_path).parent.name]
+    assert [p.name for p in (tmp_path / "c").iterdir() if not p.name.endswith(".lock")] == [
+        Path(CorpusInfo.from_json(outs[0]).train_path).parent.name
+    ]
 
 
 @pytest.mark.parametrize("gbs, dp, mbs", [(12, 1, 12), (12, 2, 3), (12, 3, 2), (12, 4, 1)])

@@ -24,8 +24,12 @@ pytestmark = pytest.mark.e2e
 
 STEPS, GBS = 12, 16
 STRATEGY = "dp2-tp1-pp1-mbs2-gbs16"  # two ranks: half the start-up cost of TINY's four
-DOC = {**TINY, "cluster": {"procs_per_node": 2}, "strategy": STRATEGY,
-       "train": {**TINY["train"], "max_steps": STEPS, "checkpoint_interval": 4}}
+DOC = {
+    **TINY,
+    "cluster": {"procs_per_node": 2},
+    "strategy": STRATEGY,
+    "train": {**TINY["train"], "max_steps": STEPS, "checkpoint_interval": 4},
+}
 
 
 def _rows(path: Path) -> list[dict]:
@@ -38,8 +42,14 @@ def _cona(*args: str) -> list[str]:
 
 def _train(tmp: Path, *args: str, env: dict[str, str] | None = None, doc: dict = DOC) -> subprocess.CompletedProcess:
     cfg = write_config(tmp / "tiny.yaml", doc)
-    return subprocess.run(_cona("train", str(cfg), "--run-dir", str(tmp / "run"), *args), cwd=REPO, text=True,
-                          capture_output=True, timeout=240, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        _cona("train", str(cfg), "--run-dir", str(tmp / "run"), *args),
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=240,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _resume(run: Path) -> subprocess.CompletedProcess:
@@ -52,9 +62,14 @@ def _start_and_wait(tmp: Path, step: int) -> subprocess.Popen:
     Saves linger 1 s, so that on a fast host the run cannot reach its last step (past the next
     periodic checkpoint) before the test's signal has been acted on."""
     cfg = write_config(tmp / "tiny.yaml", DOC)
-    proc = subprocess.Popen(_cona("train", str(cfg), "--run-dir", str(tmp / "run")), cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "CONA_TEST_SAVE_DELAY_S": "1.0"})
+    proc = subprocess.Popen(
+        _cona("train", str(cfg), "--run-dir", str(tmp / "run")),
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "CONA_TEST_SAVE_DELAY_S": "1.0"},
+    )
     metrics, deadline = tmp / "run" / "metrics.jsonl", time.monotonic() + 120
     while time.monotonic() < deadline and not (metrics.exists() and f'"step": {step},' in metrics.read_text()):
         time.sleep(0.1)
@@ -91,8 +106,9 @@ def check_recovered(run: Path, reference: dict[int, float]) -> list[dict]:
     return events
 
 
-def test_worker_killed_mid_step_is_relaunched_from_the_last_checkpoint(tmp_path: Path,
-                                                                       reference: dict[int, float]) -> None:
+def test_worker_killed_mid_step_is_relaunched_from_the_last_checkpoint(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
     # A short interval: on a quiet host the first steps take ~20 ms each, and a time-based
     # checkpoint must land before the kill at step 8 however fast the machine is.
     doc = {**DOC, "train": {**DOC["train"], "checkpoint_interval": None, "checkpoint_interval_s": 0.05}}
@@ -108,8 +124,7 @@ def test_worker_killed_mid_step_is_relaunched_from_the_last_checkpoint(tmp_path:
     assert "rank 1 failed first (signal SIGKILL)" in proc.stderr
 
 
-def test_worker_killed_while_saving_keeps_the_previous_checkpoint(tmp_path: Path,
-                                                                  reference: dict[int, float]) -> None:
+def test_worker_killed_while_saving_keeps_the_previous_checkpoint(tmp_path: Path, reference: dict[int, float]) -> None:
     proc = _train(tmp_path, env={"CONA_TEST_DIE_AT_STEP": "8:1:save"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = check_recovered(tmp_path / "run", reference)
@@ -137,7 +152,8 @@ def test_controller_sigkill_then_resume(tmp_path: Path, reference: dict[int, flo
 
 
 def test_controller_sigterm_exits_143_and_resumes_past_an_unloadable_checkpoint(
-        tmp_path: Path, reference: dict[int, float]) -> None:
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
     proc = _start_and_wait(tmp_path, 6)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)

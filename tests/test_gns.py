@@ -18,14 +18,14 @@ def _synthetic(true_g: np.ndarray, sigma: float, b_small: int, n_small: int, rng
     samples = true_g + sigma * rng.standard_normal((b_small * n_small, true_g.size))
     small = samples.reshape(n_small, b_small, -1).mean(axis=1)
     big = samples.mean(axis=0)
-    return float((small ** 2).sum(axis=1).mean()), float((big ** 2).sum())
+    return float((small**2).sum(axis=1).mean()), float((big**2).sum())
 
 
 def test_two_batch_estimator_recovers_known_values() -> None:
     rng = np.random.default_rng(0)
     dim, sigma = 200, 3.0
     g = rng.standard_normal(dim) * 0.5
-    true_grad_sq, true_trace = float((g ** 2).sum()), sigma ** 2 * dim
+    true_grad_sq, true_trace = float((g**2).sum()), sigma**2 * dim
     ests = []
     for _ in range(400):
         small, big = _synthetic(g, sigma, b_small=8, n_small=4, rng=rng)
@@ -47,7 +47,7 @@ def test_accumulation_path_first_micro_batch_as_small_batch() -> None:
         big = float((samples.mean(axis=0) ** 2).sum())
         ests.append(two_batch_estimate(2, small, 16, big))
     est_g, est_tr = np.mean(ests, axis=0)
-    assert abs(est_g - (g ** 2).sum()) / (g ** 2).sum() < 0.08
+    assert abs(est_g - (g**2).sum()) / (g**2).sum() < 0.08
     assert abs(est_tr - 400.0) / 400.0 < 0.05
 
 

@@ -35,8 +35,9 @@ def _doc(cluster: dict) -> dict:
     return doc
 
 
-def _train(tmp: Path, cluster: dict, env: dict[str, str] | None = None,
-           wrap: list[str] | None = None) -> subprocess.CompletedProcess:
+def _train(
+    tmp: Path, cluster: dict, env: dict[str, str] | None = None, wrap: list[str] | None = None
+) -> subprocess.CompletedProcess:
     """`cona train` of the chain on `cluster`; `wrap` prefixes the command (run it in a namespace)."""
     cfg = write_config(tmp / "cfg.yaml", _doc(cluster))
     cmd = [*(wrap or []), sys.executable, "-m", "cona_cli", "train", str(cfg), "--run-dir", str(tmp / "run")]
@@ -72,8 +73,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return _losses(tmp / "run")
 
 
-def test_two_local_nodes_switch_survive_a_node_failure_and_match_one_node(tmp_path: Path,
-                                                                           reference: dict[int, float]) -> None:
+def test_two_local_nodes_switch_survive_a_node_failure_and_match_one_node(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
     # global rank 3 lives on the second node; it dies in step 8, after the switch checkpoint at step 5
     out = _train(tmp_path, {"nodes": 2, "procs_per_node": 2}, env={"CONA_TEST_DIE_AT_STEP": "8:3"})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -124,8 +126,12 @@ def test_killed_controller_stops_the_ssh_nodes_which_checkpoint_first(tmp_path: 
     doc["train"]["max_steps"] = 10_000
     cfg = write_config(tmp_path / "cfg.yaml", doc)
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "cona_cli", "train", str(cfg), "--run-dir", str(run)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cona_cli", "train", str(cfg), "--run-dir", str(run)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not (run / "metrics.jsonl").is_file() or len(_losses(run)) < 3:
         assert proc.poll() is None and time.monotonic() < deadline
@@ -148,15 +154,21 @@ def _second_launch_ssh_client(run: Path, host: str) -> int | None:
     return next((pid for pid, args in _processes() if args.startswith("ssh ") and f" {host} " in args), None)
 
 
-def test_lost_ssh_connection_is_a_node_failure_named_by_host(tmp_path: Path, sshd: Sshd,
-                                                             reference: dict[int, float]) -> None:
+def test_lost_ssh_connection_is_a_node_failure_named_by_host(
+    tmp_path: Path, sshd: Sshd, reference: dict[int, float]
+) -> None:
     """The ssh client of 127.0.0.2 dies mid-run (as when the host stops answering): the job restarts
     from the last checkpoint, the failure names that host, and training continues exactly."""
     cluster = {"nodes": ["127.0.0.1", "127.0.0.2"], "procs_per_node": 2, "ssh_args": sshd.ssh_args}
     cfg = write_config(tmp_path / "cfg.yaml", _doc(cluster))
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "cona_cli", "train", str(cfg), "--run-dir", str(run)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cona_cli", "train", str(cfg), "--run-dir", str(run)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not (ssh_client := _second_launch_ssh_client(run, "127.0.0.2")):  # kill it while the job starts
         assert proc.poll() is None and time.monotonic() < deadline
@@ -183,20 +195,32 @@ def test_unreachable_ssh_node_is_refused_in_one_line(tmp_path: Path, sshd: Sshd)
     assert _events(tmp_path / "run", "launch") == []
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1) to "
-                    "give one node a private mount namespace")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root and unshare(1) to give one node a private mount namespace",
+)
 def test_node_that_cannot_see_the_run_folder_is_refused(tmp_path: Path, sshd: Sshd) -> None:
     """A second sshd on 127.0.0.3 runs in its own mount namespace with an empty tmpfs over the runs
     folder: that node writes its probe file where no other node can see it."""
     runs = tmp_path / "runs"
     runs.mkdir()
-    hide = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-            f"mount -t tmpfs none {runs} && exec \"$@\"", "sh"]
+    hide = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'mount -t tmpfs none {runs} && exec "$@"',
+        "sh",
+    ]
     key = Path(sshd.ssh_args[sshd.ssh_args.index("-i") + 1])
     private = start_sshd(tmp_path / "sshd-private", addrs=("127.0.0.3",), port=sshd.port, wrap=hide, user_key=key)
     try:
-        out = _train(runs, {"nodes": ["127.0.0.1", "127.0.0.3"], "procs_per_node": 2, "ssh_args": sshd.ssh_args,
-                            "probe_timeout_s": 3})
+        out = _train(
+            runs,
+            {"nodes": ["127.0.0.1", "127.0.0.3"], "procs_per_node": 2, "ssh_args": sshd.ssh_args, "probe_timeout_s": 3},
+        )
     finally:
         private.stop()
     assert out.returncode == 1
@@ -217,8 +241,7 @@ def test_two_hosts_in_network_namespaces(tmp_path: Path, reference: dict[int, fl
         second = start_sshd(tmp_path / "sshd-b", addrs=(b.addr,), port=first.port, wrap=b.run([]), user_key=key)
         try:
             nodes = [{"host": h.addr, "env": {"GLOO_SOCKET_IFNAME": h.ifname}} for h in (a, b)]
-            out = _train(tmp_path, {"nodes": nodes, "procs_per_node": 2, "ssh_args": first.ssh_args},
-                         wrap=a.run([]))
+            out = _train(tmp_path, {"nodes": nodes, "procs_per_node": 2, "ssh_args": first.ssh_args}, wrap=a.run([]))
         finally:
             first.stop()
             second.stop()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from cona_cli.config import config_from_dict
-from cona_cli.planner.hardware import load_hardware
 from cona_cli.control.cona_policy import ConaPolicy
+from cona_cli.planner.hardware import load_hardware
 from tests.support import TINY
 
 
@@ -19,8 +19,15 @@ class Events:
 
 def _policy() -> tuple[ConaPolicy, Events]:
     doc = {k: v for k, v in TINY.items() if k != "strategy"}
-    doc["search"] = {"gbs_min": 8, "gbs_max": 32, "mbs": [2, 4, 8], "switch_cost_s": 1.0, "horizon_s": 600,
-                     "decision_every": 2, "min_steps": 2}
+    doc["search"] = {
+        "gbs_min": 8,
+        "gbs_max": 32,
+        "mbs": [2, 4, 8],
+        "switch_cost_s": 1.0,
+        "horizon_s": 600,
+        "decision_every": 2,
+        "min_steps": 2,
+    }
     policy = ConaPolicy(config_from_dict(doc, "test"), load_hardware("cpu-local"))
     policy.events = Events()
     return policy, policy.events

@@ -12,10 +12,9 @@ from typer.testing import CliRunner
 
 from cona_cli import rundir
 from cona_cli.app import app
-from cona_cli.config import ModelConfig
+from cona_cli.config import ModelConfig, config_from_dict, parse_chain
 from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.failures import parse_failure
-from cona_cli.config import config_from_dict, parse_chain
 from cona_cli.control.policies import ChainPolicy
 from cona_cli.control.run_setup import make_policy
 from tests.support import TINY, write_config
@@ -41,8 +40,12 @@ def _save(root: Path, step: int, d_model: int = 16) -> Path:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_unusable_checkpoints_are_skipped_with_a_warning(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    oldest, truncated, _wrong_shape, unmarked = (_save(root, 4), _save(root, 8), _save(root, 12, d_model=32),
-                                                _save(root, 16))
+    oldest, truncated, _wrong_shape, unmarked = (
+        _save(root, 4),
+        _save(root, 8),
+        _save(root, 12, d_model=32),
+        _save(root, 16),
+    )
     shard = next(truncated.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     (unmarked / rundir.MARKER).unlink()
@@ -54,8 +57,12 @@ def test_unusable_checkpoints_are_skipped_with_a_warning(tmp_path: Path) -> None
     assert "step_000016" in warnings[0] and "no COMMITTED marker" in warnings[0]
     assert "step_000012" in warnings[1] and "shape" in warnings[1]
     assert "step_000008" in warnings[2] and "truncated shard" in warnings[2]
-    assert sorted(p.name for p in root.iterdir()) == ["bad-step_000008", "bad-step_000012", "bad-step_000016",
-                                                      "step_000004"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "bad-step_000008",
+        "bad-step_000012",
+        "bad-step_000016",
+        "step_000004",
+    ]
     (oldest / rundir.TRAINER_STATE).write_text("{")
     path, skipped = checkpoints.newest_usable(root, shapes, warnings.append)
     assert path is None and skipped == 1 and "bad trainer.json" in warnings[-1]
@@ -91,8 +98,9 @@ def test_failure_names_the_root_cause_rank_and_its_lines() -> None:
 
 
 def test_chain_policy_restarts_in_the_stage_of_the_checkpoint() -> None:
-    chain = parse_chain([{"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 8, "steps": 4},
-                         {"dp": 2, "tp": 1, "pp": 2, "mbs": 2, "gbs": 16}])
+    chain = parse_chain(
+        [{"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 8, "steps": 4}, {"dp": 2, "tp": 1, "pp": 2, "mbs": 2, "gbs": 16}]
+    )
     policy = ChainPolicy(chain)
     stage = policy.restart(5, policy.first())
     assert stage is not None and stage.strategy.gbs == 16 and policy.state_dict() == {"position": 1}
@@ -126,10 +134,15 @@ def test_resume_refuses_bad_input_with_one_line(tiny_run_dir: Path) -> None:
     assert code == 2 and "already finished (max_steps)" in out
 
 
-@pytest.mark.parametrize("flag, value, message", [("--strategy", "dp3-tp1-pp1-mbs2-gbs16", "world size 4"),
-                                                  ("--strategy", "dp2-banana", "--strategy"),
-                                                  ("--chain", "/nonexistent/chain.yaml", "chain.yaml"),
-                                                  ("--data", "/nonexistent/folder", "/nonexistent/folder")])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--strategy", "dp3-tp1-pp1-mbs2-gbs16", "world size 4"),
+        ("--strategy", "dp2-banana", "--strategy"),
+        ("--chain", "/nonexistent/chain.yaml", "chain.yaml"),
+        ("--data", "/nonexistent/folder", "/nonexistent/folder"),
+    ],
+)
 def test_bad_flags_exit_2_before_launching(tmp_path: Path, flag: str, value: str, message: str) -> None:
     cfg = write_config(tmp_path / "tiny.yaml", TINY)
     code, out = _resume(str(cfg), flag, value, "--run-dir", str(tmp_path / "run"))

@@ -13,8 +13,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from cona_cli.commands.report_command import report_command
 from cona_cli.report.build import build_report, timeline
-from cona_cli.commands.report import report_command
 from cona_cli.report.runlog import read_run
 from cona_cli.strategy import Strategy
 
@@ -25,12 +25,21 @@ SEQ_LEN = 64
 class RunBuilder:
     """Writes a run directory the way the controller and rank 0 would, with a simulated clock."""
 
-    def __init__(self, root: Path, name: str, policy: str = "cona", seq_len: int | None = SEQ_LEN,
-                 target_ppl: float | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        policy: str = "cona",
+        seq_len: int | None = SEQ_LEN,
+        target_ppl: float | None = None,
+    ) -> None:
         self.dir = root / name
         self.dir.mkdir(parents=True)
-        config: dict[str, Any] = {"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "ffn": 256},
-                                  "train": {"lr": 1e-3, "target_ppl": target_ppl}, "policy": policy}
+        config: dict[str, Any] = {
+            "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "ffn": 256},
+            "train": {"lr": 1e-3, "target_ppl": target_ppl},
+            "policy": policy,
+        }
         if seq_len is not None:
             config["model"]["seq_len"] = seq_len
         (self.dir / "config.resolved.json").write_text(json.dumps(config))
@@ -50,8 +59,9 @@ class RunBuilder:
         self.launches += 1
         self.strategy = Strategy.parse(strategy)
         ckpt = f"checkpoints/step_{self.step:06d}" if self.step else None
-        self.event("launch", launch=self.launches, strategy=self.strategy.to_dict(), from_checkpoint=ckpt,
-                   step=self.step)
+        self.event(
+            "launch", launch=self.launches, strategy=self.strategy.to_dict(), from_checkpoint=ckpt, step=self.step
+        )
         self.tick(startup)
 
     def train(self, n: int, iter_s: float = 1.0, gns: float | None = None) -> None:
@@ -60,26 +70,55 @@ class RunBuilder:
             self.step += 1
             self.tick(iter_s)
             self.samples += s.gbs
-            row = {"kind": "step", "step": self.step, "time": self.t, "loss": 3.0, "lr": 1e-3,
-                   **s.to_dict(), "iter_s": iter_s, "tokens_per_s": s.gbs * SEQ_LEN / iter_s,
-                   "consumed_samples": self.samples, "grad_norm": 1.0, "launch": self.launches}
+            row = {
+                "kind": "step",
+                "step": self.step,
+                "time": self.t,
+                "loss": 3.0,
+                "lr": 1e-3,
+                **s.to_dict(),
+                "iter_s": iter_s,
+                "tokens_per_s": s.gbs * SEQ_LEN / iter_s,
+                "consumed_samples": self.samples,
+                "grad_norm": 1.0,
+                "launch": self.launches,
+            }
             if gns is not None:
                 row["gns"] = gns + self.step
             self.metrics.append(row)
 
     def eval(self, ppl: float) -> None:
-        self.metrics.append({"kind": "eval", "step": self.step, "time": self.t, "val_loss": math.log(ppl),
-                             "val_ppl": ppl, "consumed_samples": self.samples})
+        self.metrics.append(
+            {
+                "kind": "eval",
+                "step": self.step,
+                "time": self.t,
+                "val_loss": math.log(ppl),
+                "val_ppl": ppl,
+                "consumed_samples": self.samples,
+            }
+        )
 
     def switch(self, to: str, seconds: float, reason: str = "chain", **decision: Any) -> None:
         """Checkpoint, exit, relaunch: the first step under `to` ends `seconds + iter_s` later."""
         target = Strategy.parse(to)
         if reason == "decision":
             self.event("decision", candidate=target.to_dict(), switch=True, why="phi ratio", **decision)
-        self.event("checkpoint", step=self.step, path=f"checkpoints/step_{self.step:06d}", seconds=0.5,
-                   bytes=4096, reason="switch")
-        self.event("switch", step=self.step, seconds=seconds, reason=reason,
-                   **{"from": self.strategy.to_dict(), "to": target.to_dict()})
+        self.event(
+            "checkpoint",
+            step=self.step,
+            path=f"checkpoints/step_{self.step:06d}",
+            seconds=0.5,
+            bytes=4096,
+            reason="switch",
+        )
+        self.event(
+            "switch",
+            step=self.step,
+            seconds=seconds,
+            reason=reason,
+            **{"from": self.strategy.to_dict(), "to": target.to_dict()},
+        )
         t0 = self.t
         self.tick(seconds / 2)
         self.launch(to, startup=seconds / 2)
@@ -237,7 +276,9 @@ def test_strategy_change_in_step_rows_starts_a_stage(tmp_path: Path) -> None:
     r.train(4)
     stages = timeline(read_run(r.write()))
     assert [(str(s.strategy), s.steps, s.end_reason) for s in stages] == [
-        (A, 4, "strategy change"), (B, 4, "no exit event")]
+        (A, 4, "strategy change"),
+        (B, 4, "no exit event"),
+    ]
     assert stages[1].start_s == 6.0
 
 
@@ -267,7 +308,8 @@ def test_formats_parse(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
     assert [(r["run"], float(r["target_ppl"])) for r in rows] == [
-        (n, t) for n in ("static", "chained", "never") for t in (20, 40)]
+        (n, t) for n in ("static", "chained", "never") for t in (20, 40)
+    ]
     chained20 = rows[2]
     assert float(chained20["time_to_target_s"]) == 34 and int(chained20["tokens_to_target"]) == 1120 * SEQ_LEN
     assert float(chained20["speedup"]) == pytest.approx(42 / 34)

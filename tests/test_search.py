@@ -5,13 +5,13 @@ import math
 
 import pytest
 
-from cona_cli.planner.calibration import Calibrator
 from cona_cli.config import load_config
+from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import load_hardware
-from cona_cli.planner.workload import Workload
 from cona_cli.planner.search import crossovers, plan
 from cona_cli.planner.space import gbs_ladder
 from cona_cli.planner.surrogate import crossover_gns, phi
+from cona_cli.planner.workload import Workload
 
 
 def _setup(path, **search):
@@ -21,8 +21,9 @@ def _setup(path, **search):
     return cfg, hw, Calibrator(Workload.from_config(cfg), hw)
 
 
-@pytest.mark.parametrize("path, ladder", [("configs/tiny.yaml", [16, 64]),
-                                          ("configs/gpt3-1.3b-a6000.yaml", [32, 128, 512])])
+@pytest.mark.parametrize(
+    "path, ladder", [("configs/tiny.yaml", [16, 64]), ("configs/gpt3-1.3b-a6000.yaml", [32, 128, 512])]
+)
 def test_bayesian_search_finds_the_exhaustive_best(path, ladder):
     cfg, hw, cal = _setup(path, exhaustive_max=10_000)
     exhaustive = plan(cfg, hw, cal, ladder)

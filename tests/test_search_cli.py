@@ -35,14 +35,17 @@ def test_all_gbs_table_and_json():
     assert len(out["crossovers"]) == 4
 
 
-@pytest.mark.parametrize("args, message", [
-    (["configs/tiny.yaml"], "--dry-run"),
-    (["configs/tiny.yaml", "--dry-run", "--gbs", "8", "--all-gbs"], "exclude"),
-    (["configs/tiny.yaml", "--dry-run", "--hardware", "tpu-v9"], "unknown profile"),
-    (["configs/tiny.yaml", "--dry-run", "--gns", "-1"], "--gns"),
-    (["configs/tiny.yaml", "--dry-run", "--top", "0"], "--top"),
-    (["no-such.yaml", "--dry-run"], "cannot read"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["configs/tiny.yaml"], "--dry-run"),
+        (["configs/tiny.yaml", "--dry-run", "--gbs", "8", "--all-gbs"], "exclude"),
+        (["configs/tiny.yaml", "--dry-run", "--hardware", "tpu-v9"], "unknown profile"),
+        (["configs/tiny.yaml", "--dry-run", "--gns", "-1"], "--gns"),
+        (["configs/tiny.yaml", "--dry-run", "--top", "0"], "--top"),
+        (["no-such.yaml", "--dry-run"], "cannot read"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(args, message):
     r = _run(*args)
     assert r.exit_code == 2

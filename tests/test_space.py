@@ -7,18 +7,22 @@ import numpy as np
 from cona_cli.config import config_from_dict, load_config
 from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.hardware import load_hardware
-from cona_cli.planner.workload import Workload
 from cona_cli.planner.memory import memory_bytes
 from cona_cli.planner.space import enumerate_space, gbs_ladder
+from cona_cli.planner.workload import Workload
 from cona_cli.strategy import Strategy
 
 GPT3 = "configs/gpt3-1.3b-a6000.yaml"
 
 
 def _tiny(n_layers=3, **search):
-    return config_from_dict({"model": {"n_layers": n_layers, "d_model": 64, "n_heads": 4, "ffn": 256, "seq_len": 64},
-                             "cluster": {"nodes": 1, "procs_per_node": 4},
-                             "search": {"gbs_min": 8, "gbs_max": 32, "mbs": [1, 2], **search}})
+    return config_from_dict(
+        {
+            "model": {"n_layers": n_layers, "d_model": 64, "n_heads": 4, "ffn": 256, "seq_len": 64},
+            "cluster": {"nodes": 1, "procs_per_node": 4},
+            "search": {"gbs_min": 8, "gbs_max": 32, "mbs": [1, 2], **search},
+        }
+    )
 
 
 def test_ladder_defaults_to_powers_of_two_and_accepts_an_explicit_list():
@@ -39,8 +43,13 @@ def test_divisibility_rejections_keep_their_reason():
 def test_tp_limits_are_enforced():
     reasons = dict(enumerate_space(_tiny(max_tp=2), load_hardware("cpu-local")).rejected)
     assert "tp > search.max_tp 2" in reasons[Strategy(1, 4, 1, 1, 8)]
-    cfg = config_from_dict({"model": {"n_layers": 4, "d_model": 64, "n_heads": 4, "ffn": 256, "seq_len": 64},
-                            "cluster": {"nodes": 2, "procs_per_node": 2}, "search": {"gbs_ladder": [8], "mbs": [1]}})
+    cfg = config_from_dict(
+        {
+            "model": {"n_layers": 4, "d_model": 64, "n_heads": 4, "ffn": 256, "seq_len": 64},
+            "cluster": {"nodes": 2, "procs_per_node": 2},
+            "search": {"gbs_ladder": [8], "mbs": [1]},
+        }
+    )
     assert "tp spans nodes" in dict(enumerate_space(cfg, load_hardware("cpu-local")).rejected)[Strategy(1, 4, 1, 1, 8)]
 
 

@@ -58,8 +58,12 @@ def test_bad_peers_are_dropped_and_server_survives(server: TelemetryServer) -> N
     _wait(lambda: server.dropped == 3, timeout=10)
     assert server.messages.empty()
     good = _connect(server)
-    good.sendall(json.dumps({"type": "hello", "token": server.token}).encode() + b"\n"
-                 + json.dumps({"type": "metric", "step": 1}).encode() + b"\n")
+    good.sendall(
+        json.dumps({"type": "hello", "token": server.token}).encode()
+        + b"\n"
+        + json.dumps({"type": "metric", "step": 1}).encode()
+        + b"\n"
+    )
     assert server.messages.get(timeout=5) == {"type": "metric", "step": 1}
     for s in (wrong, garbage, big, good):
         s.close()

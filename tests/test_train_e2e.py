@@ -17,9 +17,11 @@ from tests.support import REPO, TINY, write_config
 
 pytestmark = pytest.mark.e2e
 
-CHAIN = [{"dp": 2, "tp": 1, "pp": 2, "mbs": 2, "gbs": 8, "steps": 8},
-         {"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 16, "steps": 8},
-         {"dp": 2, "tp": 2, "pp": 1, "mbs": 4, "gbs": 32}]
+CHAIN = [
+    {"dp": 2, "tp": 1, "pp": 2, "mbs": 2, "gbs": 8, "steps": 8},
+    {"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 16, "steps": 8},
+    {"dp": 2, "tp": 2, "pp": 1, "mbs": 4, "gbs": 32},
+]
 
 
 def _rows(path: Path) -> list[dict]:
@@ -31,12 +33,16 @@ def _cona(*args: str) -> list[str]:
 
 
 def test_three_stage_chain(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "tiny.yaml", {**TINY, "strategy": None,
-                                                "train": {**TINY["train"], "max_steps": 22}})
+    cfg = write_config(tmp_path / "tiny.yaml", {**TINY, "strategy": None, "train": {**TINY["train"], "max_steps": 22}})
     (tmp_path / "chain.yaml").write_text(yaml.safe_dump({"chain": CHAIN}))
     run = tmp_path / "run"
-    proc = subprocess.run(_cona("train", str(cfg), "--chain", str(tmp_path / "chain.yaml"), "--run-dir", str(run)),
-                          capture_output=True, text=True, timeout=240, cwd=REPO)
+    proc = subprocess.run(
+        _cona("train", str(cfg), "--chain", str(tmp_path / "chain.yaml"), "--run-dir", str(run)),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = _rows(run / "events.jsonl")
     kinds = [e["kind"] for e in events]
@@ -54,7 +60,7 @@ def test_three_stage_chain(tmp_path: Path) -> None:
         assert r["consumed_samples"] == consumed
     assert [r["gbs"] for r in steps] == [8] * 8 + [16] * 8 + [32] * 6
     for boundary in (8, 16):  # the loss right after a switch continues the curve
-        before = [r["loss"] for r in steps[boundary - 3:boundary]]
+        before = [r["loss"] for r in steps[boundary - 3 : boundary]]
         after = steps[boundary]["loss"]
         assert after < max(before) + 0.25, (boundary, before, after)
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
@@ -64,8 +70,13 @@ def test_three_stage_chain(tmp_path: Path) -> None:
     # `cona report` on this real run: its numbers are the metrics' and events' numbers.
     target = evals[len(evals) // 2]["val_ppl"] * 1.001
     first_hit = next(e for e in evals if e["val_ppl"] <= target)
-    rep = subprocess.run(_cona("report", str(run), "--target-ppl", str(target), "--format", "json"),
-                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    rep = subprocess.run(
+        _cona("report", str(run), "--target-ppl", str(target), "--format", "json"),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert rep.returncode == 0, rep.stderr
     report = json.loads(rep.stdout)["runs"][0]
     assert report["targets"][0]["reached"] and report["targets"][0]["time_s"] == pytest.approx(first_hit["time"])
@@ -77,8 +88,13 @@ def test_three_stage_chain(tmp_path: Path) -> None:
 def test_ctrl_c_checkpoints_and_exits_130(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "tiny.yaml", {**TINY, "train": {**TINY["train"], "max_steps": 100000}})
     run = tmp_path / "run"
-    proc = subprocess.Popen(_cona("train", str(cfg), "--run-dir", str(run)), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _cona("train", str(cfg), "--run-dir", str(run)),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (metrics.exists() and '"step": 3,' in metrics.read_text()):
@@ -100,12 +116,21 @@ def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
     doc = {k: v for k, v in TINY.items() if k != "strategy"}
     doc["train"] = {**TINY["train"], "max_steps": 400, "target_ppl": target}
     # Easy switching for a short test: no margin, a cheap assumed switch, a long payback horizon.
-    doc["search"] = {"gbs_min": 8, "gbs_max": 32, "mbs": [1, 2, 4, 8], "margin": 0.0, "switch_cost_s": 1.0,
-                     "horizon_s": 600, "decision_every": 4, "min_steps": 4}
+    doc["search"] = {
+        "gbs_min": 8,
+        "gbs_max": 32,
+        "mbs": [1, 2, 4, 8],
+        "margin": 0.0,
+        "switch_cost_s": 1.0,
+        "horizon_s": 600,
+        "decision_every": 4,
+        "min_steps": 4,
+    }
     cfg = write_config(tmp_path / "cona.yaml", doc)
     run = tmp_path / "run"
-    proc = subprocess.run(_cona("train", str(cfg), "--run-dir", str(run)), capture_output=True, text=True,
-                          timeout=400, cwd=REPO)
+    proc = subprocess.run(
+        _cona("train", str(cfg), "--run-dir", str(run)), capture_output=True, text=True, timeout=400, cwd=REPO
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = _rows(run / "events.jsonl")
     assert events[0]["policy"] == "cona"
@@ -122,6 +147,6 @@ def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
     steps = [r for r in _rows(run / "metrics.jsonl") if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))
     boundary = switches[0]["step"]
-    before = [r["loss"] for r in steps[boundary - 3:boundary]]
+    before = [r["loss"] for r in steps[boundary - 3 : boundary]]
     assert steps[boundary]["loss"] < max(before) + 0.25
     assert all(r["gns"] is None or r["gns"] > 0 for r in steps[5:])

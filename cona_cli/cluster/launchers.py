@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 from abc import ABC, abstractmethod
-from typing import Callable
+from collections.abc import Callable
 
 from cona_cli.cluster.nodes import Node
 from cona_cli.config import ClusterConfig
@@ -64,10 +64,20 @@ class Agent:
             pass
 
 
-def _popen(argv: list[str], env: dict[str, str], cwd: str | None = None,
-           stdin: int = subprocess.DEVNULL) -> subprocess.Popen:
-    return subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True, bufsize=1)
+def _popen(
+    argv: list[str], env: dict[str, str], cwd: str | None = None, stdin: int = subprocess.DEVNULL
+) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv,
+        env=env,
+        cwd=cwd,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+        bufsize=1,
+    )
 
 
 class Launcher(ABC):
@@ -81,8 +91,10 @@ class Launcher(ABC):
 
 class LocalLauncher(Launcher):
     def start(self, nodes: list[Node], argv_for: ArgvFor, env: dict[str, str]) -> list[Agent]:
-        return [Agent(n.name, [n], _popen(argv_for(n), {**os.environ, **self.cluster.env, **n.env, **env},
-                                          cwd=n.workdir)) for n in nodes]
+        return [
+            Agent(n.name, [n], _popen(argv_for(n), {**os.environ, **self.cluster.env, **n.env, **env}, cwd=n.workdir))
+            for n in nodes
+        ]
 
 
 class SshLauncher(Launcher):
@@ -112,8 +124,15 @@ class SshLauncher(Launcher):
 class SlurmLauncher(Launcher):
     def command(self, nodes: list[Node]) -> list[str]:
         n = len(nodes)
-        return ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                "--label", *self.cluster.srun_args]
+        return [
+            "srun",
+            f"--nodes={n}",
+            f"--ntasks={n}",
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
+            "--label",
+            *self.cluster.srun_args,
+        ]
 
     def start(self, nodes: list[Node], argv_for: ArgvFor, env: dict[str, str]) -> list[Agent]:
         argv = self.command(nodes) + argv_for(None)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from cona_cli.cluster.slurm import SlurmError, allocation_hosts
 from cona_cli.config import ClusterConfig
@@ -42,8 +42,9 @@ def resolve_nodes(cluster: ClusterConfig, environ: Mapping[str, str] | None = No
     if cluster.launcher == "slurm":
         hosts = allocation_hosts(environ)
         if len(hosts) != cluster.nodes:
-            raise SlurmError(f"the allocation has {len(hosts)} nodes ({', '.join(hosts)}) but cluster.nodes is "
-                             f"{cluster.nodes}")
+            raise SlurmError(
+                f"the allocation has {len(hosts)} nodes ({', '.join(hosts)}) but cluster.nodes is {cluster.nodes}"
+            )
         return [Node(i, h, h, {}, workdir) for i, h in enumerate(hosts)]
     addr = cluster.head_addr or "127.0.0.1"
     return [Node(i, f"node{i}", addr, {}, workdir) for i in range(cluster.nodes)]
@@ -86,8 +87,7 @@ def rendezvous(cluster: ClusterConfig, nodes: list[Node], run_id: str) -> Rendez
         try:
             port = str(free_port(host))
         except OSError as e:
-            raise ClusterError(f"cluster.head_addr: {host} is not an address of this machine ({e.strerror})") \
-                from None
+            raise ClusterError(f"cluster.head_addr: {host} is not an address of this machine ({e.strerror})") from None
     # Under slurm one srun command line serves every node: torchrun matches the host name itself.
     hosting = [] if cluster.launcher == "slurm" else [n.index for n in nodes if n.addr == host]
     return Rendezvous(f"{host}:{port}", run_id, hosting[0] if hosting else None)
@@ -95,12 +95,23 @@ def rendezvous(cluster: ClusterConfig, nodes: list[Node], run_id: str) -> Rendez
 
 def torchrun_args(cluster: ClusterConfig, node: Node | None, rdzv: Rendezvous | None) -> list[str]:
     """`python -m torch.distributed.run ...` for one node (`node` None: the same line for all nodes)."""
-    args = [cluster.python or sys.executable, "-m", "torch.distributed.run", "--tee", "3",
-            f"--nproc-per-node={cluster.procs_per_node}"]
+    args = [
+        cluster.python or sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--tee",
+        "3",
+        f"--nproc-per-node={cluster.procs_per_node}",
+    ]
     if rdzv is None:
         return args + ["--standalone"]
-    args += [f"--nnodes={cluster.nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}",
-             f"--rdzv-id={rdzv.run_id}", "--max-restarts=0"]
+    args += [
+        f"--nnodes={cluster.nodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv.endpoint}",
+        f"--rdzv-id={rdzv.run_id}",
+        "--max-restarts=0",
+    ]
     if node is not None:
         args.append(f"--local-addr={node.addr}")
         if rdzv.host_node is not None:

@@ -18,14 +18,18 @@ def sbatch_script(cfg: Config, train_argv: list[str], run_dir: Path, workdir: Pa
     c = cfg.cluster
     if c.launcher != "slurm":
         raise ConfigError(f"--sbatch: cluster.launcher is {c.launcher}; an sbatch script needs launcher slurm")
-    lines = ["#!/bin/bash",
-             f"#SBATCH --job-name=cona-{run_dir.name}",
-             f"#SBATCH --nodes={c.nodes}",
-             "#SBATCH --ntasks-per-node=1",
-             f"#SBATCH --output={run_dir.absolute()}/slurm-%j.out"]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=cona-{run_dir.name}",
+        f"#SBATCH --nodes={c.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={run_dir.absolute()}/slurm-%j.out",
+    ]
     lines += [f"#SBATCH {opt}" for opt in c.sbatch_options]
     python = c.python or sys.executable
-    lines += ["set -euo pipefail",
-              f"cd {shlex.quote(str(workdir))}",
-              " ".join(["exec", shlex.quote(python), "-m", "cona_cli", "train", *map(shlex.quote, train_argv)])]
+    lines += [
+        "set -euo pipefail",
+        f"cd {shlex.quote(str(workdir))}",
+        " ".join(["exec", shlex.quote(python), "-m", "cona_cli", "train", *map(shlex.quote, train_argv)]),
+    ]
     return "\n".join(lines) + "\n"

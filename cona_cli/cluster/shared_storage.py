@@ -16,9 +16,9 @@ import threading
 import time
 from pathlib import Path
 
+from cona_cli.cluster.launchers import Agent, Launcher
 from cona_cli.cluster.nodes import ClusterError, Node
 from cona_cli.rundir import RunDir
-from cona_cli.cluster.launchers import Agent, Launcher
 from launch.node.storage_probe import MISSING_CONTROLLER, MISSING_NODES
 
 VERDICTS = (MISSING_CONTROLLER, MISSING_NODES)  # the probe ran and saw its folder incomplete
@@ -41,8 +41,10 @@ def check_shared(launcher: Launcher, nodes: list[Node], run_dir: Path, timeout_s
         outputs, stopped = _wait(agents, timeout_s + EXTRA_WAIT_S)
         failed = [a for i, a in enumerate(agents) if a.poll() != 0 and i not in stopped]
         if not failed and stopped:
-            raise ClusterError(f"cluster: the shared-storage check of {run_dir} did not finish within "
-                               f"{timeout_s + EXTRA_WAIT_S:g} s (node {agents[min(stopped)].label})")
+            raise ClusterError(
+                f"cluster: the shared-storage check of {run_dir} did not finish within "
+                f"{timeout_s + EXTRA_WAIT_S:g} s (node {agents[min(stopped)].label})"
+            )
         if failed:  # blame a node that could not run the probe, then one that misses the controller's file
             agent = min(failed, key=lambda a: (a.poll() in VERDICTS, a.poll() == MISSING_NODES))
             said = _last_line(outputs[agents.index(agent)], agent.poll())
@@ -58,8 +60,10 @@ def _wait(agents: list[Agent], deadline_s: float) -> tuple[list[str], set[int]]:
     """Every agent's output once all have ended, and the indices of those stopped here: once one fails
     without a probe verdict (e.g. ssh could not connect), or time runs out, the rest are stopped."""
     outputs: list[list[str]] = [[] for _ in agents]
-    readers = [threading.Thread(target=lambda a=a, out=out: out.extend(a.proc.stdout or ()), daemon=True)
-               for a, out in zip(agents, outputs)]
+    readers = [
+        threading.Thread(target=lambda a=a, out=out: out.extend(a.proc.stdout or ()), daemon=True)
+        for a, out in zip(agents, outputs)
+    ]
     for r in readers:
         r.start()
     stopped: set[int] = set()

@@ -40,7 +40,7 @@ def _expand_one(part: str) -> list[str]:
     m = _BRACKET.search(part)
     if m is None:
         return [part]
-    head, tail = part[:m.start()], part[m.end():]
+    head, tail = part[: m.start()], part[m.end() :]
     out = []
     for item in m.group(1).split(","):
         lo, _, hi = item.partition("-")

@@ -13,14 +13,14 @@ import statistics
 import threading
 from typing import Any
 
-from cona_cli.planner.calibration import Calibrator
 from cona_cli.config import Config
-from cona_cli.planner.hardware import HardwareProfile
-from cona_cli.planner.workload import Workload
-from cona_cli.control.switch_rule import FallbackMonitor, decide
 from cona_cli.control.policies import Policy, Stage
+from cona_cli.control.switch_rule import FallbackMonitor, decide
+from cona_cli.planner.calibration import Calibrator
+from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.search import Candidate, SearchResult, search_gbs
 from cona_cli.planner.space import enumerate_space, gbs_ladder
+from cona_cli.planner.workload import Workload
 from cona_cli.strategy import Strategy
 
 WARMUP_STEPS = 2  # first steps of a launch (pipeline shape inference, allocator) are not timed
@@ -78,7 +78,7 @@ class ConaPolicy(Policy):
 
     def _rungs_to_search(self) -> list[int]:
         i = self.ladder.index(self.current.strategy.gbs)
-        return self.ladder[i:i + 2]  # the current rung (better layout?) and the next (frontier)
+        return self.ladder[i : i + 2]  # the current rung (better layout?) and the next (frontier)
 
     def _maybe_search(self) -> None:
         """Start a background search if none runs and the calibration data moved enough."""
@@ -164,13 +164,13 @@ class ConaPolicy(Policy):
         best = None
         for kind, cand in candidates:
             t_cand = self._optimistic_time(cand, t_cur)
-            d = decide(cur.gbs, t_cur, cand.strategy.gbs, t_cand, gns, self.switch_cost(),
-                       self.s.horizon_s, self.s.margin)
+            d = decide(
+                cur.gbs, t_cur, cand.strategy.gbs, t_cand, gns, self.switch_cost(), self.s.horizon_s, self.s.margin
+            )
             if best is None or d.ratio > best[2].ratio:
                 best = (kind, cand, d, t_cand)
         kind, cand, d, t_cand = best
-        self._log(row, cand, d.why, d.switch, gns=gns, t_cur=t_cur, decision=d, candidate_kind=kind,
-                  candidate_t=t_cand)
+        self._log(row, cand, d.why, d.switch, gns=gns, t_cur=t_cur, decision=d, candidate_kind=kind, candidate_t=t_cand)
         if not d.switch:
             return None
         return Stage(cand.strategy, None, "decision")
@@ -211,10 +211,15 @@ class ConaPolicy(Policy):
     def state_dict(self) -> dict[str, Any]:
         """Ladder position, calibration samples, switch costs and fallback state (for --resume)."""
         fb = self.fallback
-        return {"current": str(self.current.strategy), "reason": self.current.reason,
-                "samples": {str(k): v for k, v in self.samples.items()}, "switch_costs": self.switch_costs,
-                "previous": [str(p) for p in self.previous], "blocked_until_step": self.blocked_until_step,
-                "fallback": {"armed": fb.armed, "falling": fb.falling, "last": fb.last}}
+        return {
+            "current": str(self.current.strategy),
+            "reason": self.current.reason,
+            "samples": {str(k): v for k, v in self.samples.items()},
+            "switch_costs": self.switch_costs,
+            "previous": [str(p) for p in self.previous],
+            "blocked_until_step": self.blocked_until_step,
+            "fallback": {"armed": fb.armed, "falling": fb.falling, "last": fb.last},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -231,8 +236,13 @@ class ConaPolicy(Policy):
     def _log(self, row: dict[str, Any], cand: Any, why: str, switch: bool, **extra: Any) -> None:
         if self.events is None:
             return
-        fields: dict[str, Any] = {"step": row["step"], "current": self.current.strategy.to_dict(),
-                                  "switch": switch, "why": why, "switch_cost_s": round(self.switch_cost(), 3)}
+        fields: dict[str, Any] = {
+            "step": row["step"],
+            "current": self.current.strategy.to_dict(),
+            "switch": switch,
+            "why": why,
+            "switch_cost_s": round(self.switch_cost(), 3),
+        }
         if cand is not None:
             fields.update(candidate=cand.strategy.to_dict(), predicted_t=cand.time_s, predicted_t_std=cand.time_std)
         d = extra.pop("decision", None)

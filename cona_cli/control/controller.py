@@ -24,17 +24,17 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cona_cli.control import usable_checkpoints as checkpoints
-from cona_cli.cluster.nodes import ClusterError, head_address, is_multi_node, rendezvous, resolve_nodes, torchrun_args
-from cona_cli.config import Config
-from cona_cli.rundir import RunDir
-from cona_cli.control.failures import Failure, failed_host, parse_failure
 from cona_cli.cluster.launchers import Agent, make_launcher
+from cona_cli.cluster.nodes import ClusterError, head_address, is_multi_node, rendezvous, resolve_nodes, torchrun_args
+from cona_cli.cluster.shared_storage import check_shared
+from cona_cli.config import Config
+from cona_cli.control import usable_checkpoints as checkpoints
+from cona_cli.control.failures import Failure, failed_host, parse_failure
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict
-from cona_cli.cluster.shared_storage import check_shared
-from cona_cli.strategy import Strategy
 from cona_cli.control.telemetry_server import TelemetryServer
+from cona_cli.rundir import RunDir
+from cona_cli.strategy import Strategy
 
 INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGKILL
 NODE_FAILURE_GRACE_S = 20.0  # for the other nodes to stop after one node failed, before SIGKILL
@@ -72,8 +72,16 @@ class EventLog:
 
 def worker_args(run_dir: Path, stage: Stage, launch: int, resume: Path | None) -> list[str]:
     """What torchrun runs on every rank."""
-    args = ["-m", "launch.worker", "--run-dir", str(run_dir.absolute()), "--strategy", str(stage.strategy),
-            "--launch", str(launch)]
+    args = [
+        "-m",
+        "launch.worker",
+        "--run-dir",
+        str(run_dir.absolute()),
+        "--strategy",
+        str(stage.strategy),
+        "--launch",
+        str(launch),
+    ]
     if resume is not None:
         args += ["--resume", str(resume.absolute())]
     if stage.stop_step is not None:
@@ -89,8 +97,15 @@ def threads_per_proc(cfg: Config) -> int:
 
 
 class Controller:
-    def __init__(self, cfg: Config, run_dir: Path, policy: Policy, console: Console | None = None,
-                 verbose: bool = False, resume: RunState | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        policy: Policy,
+        console: Console | None = None,
+        verbose: bool = False,
+        resume: RunState | None = None,
+    ) -> None:
         """`resume`: the saved state of an earlier controller of this run (`cona train --resume`)."""
         self.cfg, self.run_dir, self.policy = cfg, run_dir, policy
         self.files = RunDir(run_dir)
@@ -107,8 +122,10 @@ class Controller:
         try:
             self.telemetry = TelemetryServer(host=host)
         except OSError as e:
-            raise ClusterError(f"cluster.head_addr: cannot listen on {host} ({e.strerror or e}); give this "
-                               "machine's address on the cluster network") from None
+            raise ClusterError(
+                f"cluster.head_addr: cannot listen on {host} ({e.strerror or e}); give this "
+                "machine's address on the cluster network"
+            ) from None
         policy.events = self.events
         self.signal_received: int | None = None
         self.launch = self.state.launch
@@ -174,9 +191,13 @@ class Controller:
             reason = outcome["reason"]
             if reason not in ("stage_end", "command"):
                 if reason == "target_reached":
-                    self.events.write("target_reached", step=outcome["step"],
-                                      val_ppl=outcome["best_val_ppl"], target_ppl=self.cfg.train.target_ppl,
-                                      wall_time=outcome["time"])
+                    self.events.write(
+                        "target_reached",
+                        step=outcome["step"],
+                        val_ppl=outcome["best_val_ppl"],
+                        target_ppl=self.cfg.train.target_ppl,
+                        wall_time=outcome["time"],
+                    )
                 return self._exit(0, reason, outcome["step"])
             prev = (stage.strategy, outcome)
             stage = self.policy.after_launch(outcome, requested)
@@ -206,14 +227,20 @@ class Controller:
         text = log_path.read_text(errors="replace") if log_path.is_file() else ""
         failure = result.failure or parse_failure(text, result.returncode)
         host = failed_host(result.failed, text) if result.failed is not None else None
-        self.events.write("failure", launch=self.launch, exit_code=result.returncode, rank=failure.rank,
-                          rank_exit_code=failure.rank_exit_code, exit_codes=failure.exit_codes,
-                          bad_checkpoint=failure.bad_checkpoint, last_lines=failure.last_lines,
-                          **({"host": host} if self.multi_node else {}))
+        self.events.write(
+            "failure",
+            launch=self.launch,
+            exit_code=result.returncode,
+            rank=failure.rank,
+            rank_exit_code=failure.rank_exit_code,
+            exit_codes=failure.exit_codes,
+            bad_checkpoint=failure.bad_checkpoint,
+            last_lines=failure.last_lines,
+            **({"host": host} if self.multi_node else {}),
+        )
         self.console.print("\n".join(failure.last_lines), markup=False, highlight=False)
         where = f"node {host}: " if self.multi_node and host else ""
-        self.console.print(f"[red]cona: launch {self.launch} failed: {where}{failure.describe()}; "
-                           f"see {log_path}[/red]")
+        self.console.print(f"[red]cona: launch {self.launch} failed: {where}{failure.describe()}; see {log_path}[/red]")
         if failure.bad_checkpoint and ckpt is not None and ckpt.is_dir():
             moved = checkpoints.quarantine(ckpt)
             self._warn(f"checkpoint {ckpt} could not be loaded; skipped (moved to {moved.name})")
@@ -221,8 +248,10 @@ class Controller:
         t = self.cfg.train
         self.state.failures = [f for f in self.state.failures if now - f <= t.restart_window_s] + [now]
         if len(self.state.failures) > t.max_restarts:
-            self.console.print(f"[red]cona: giving up: {len(self.state.failures)} failed launches within "
-                               f"{t.restart_window_s:g} s (train.max_restarts = {t.max_restarts})[/red]")
+            self.console.print(
+                f"[red]cona: giving up: {len(self.state.failures)} failed launches within "
+                f"{t.restart_window_s:g} s (train.max_restarts = {t.max_restarts})[/red]"
+            )
             return False
         return True
 
@@ -235,25 +264,38 @@ class Controller:
 
     # -- one launch --------------------------------------------------------------------------
 
-    def _run_launch(self, stage: Stage, resume: Path | None, prev: Prev | None, progress: Progress,
-                    reason: str | None) -> tuple[LaunchResult, Stage | None]:
+    def _run_launch(
+        self, stage: Stage, resume: Path | None, prev: Prev | None, progress: Progress, reason: str | None
+    ) -> tuple[LaunchResult, Stage | None]:
         self.launch += 1
         step = checkpoints.checkpoint_step(resume) if resume else 0
-        self.events.write("launch", launch=self.launch, strategy=stage.strategy.to_dict(),
-                          from_checkpoint=str(resume) if resume else None, step=step, reason=reason or stage.reason)
+        self.events.write(
+            "launch",
+            launch=self.launch,
+            strategy=stage.strategy.to_dict(),
+            from_checkpoint=str(resume) if resume else None,
+            step=step,
+            reason=reason or stage.reason,
+        )
         c = self.cfg.cluster
         rdzv = rendezvous(c, self.nodes, f"cona-{self.telemetry.token[:8]}-{self.launch}") if self.multi_node else None
         tail = worker_args(self.run_dir, stage, self.launch, resume)
-        env = {**self.telemetry.env(), "CONA_RUN_START": repr(self.run_start),
-               "OMP_NUM_THREADS": str(threads_per_proc(self.cfg)), "PYTHONUNBUFFERED": "1"}
+        env = {
+            **self.telemetry.env(),
+            "CONA_RUN_START": repr(self.run_start),
+            "OMP_NUM_THREADS": str(threads_per_proc(self.cfg)),
+            "PYTHONUNBUFFERED": "1",
+        }
         outcome_path = self.files.launch_outcome(self.launch)
         outcome_path.unlink(missing_ok=True)  # a leftover of a launch the controller never saw
         agents = self.launcher.start(self.nodes, lambda node: torchrun_args(c, node, rdzv) + tail, env)
         self.state.agent_pids = [a.pid for a in agents]
         self._save_state(stage, prev)
         per_node = len(agents) > 1  # one log per node, lines shown prefixed by the node
-        pumps = [threading.Thread(target=self._pump, args=(a, self._log_path(a, per_node), per_node), daemon=True)
-                 for a in agents]
+        pumps = [
+            threading.Thread(target=self._pump, args=(a, self._log_path(a, per_node), per_node), daemon=True)
+            for a in agents
+        ]
         for pump in pumps:
             pump.start()
         requested, failed = self._follow(agents, stage, prev, progress)
@@ -264,8 +306,10 @@ class Controller:
         self._save_state(stage, prev)
         if not failed:
             return LaunchResult(0, outcome, None, None, self._log_path(agents[0], per_node)), requested
-        parsed = [(a, path, parse_failure(path.read_text(errors="replace") if path.is_file() else "", a.poll() or 1))
-                  for a, path in ((a, self._log_path(a, per_node)) for a in failed)]
+        parsed = [
+            (a, path, parse_failure(path.read_text(errors="replace") if path.is_file() else "", a.poll() or 1))
+            for a, path in ((a, self._log_path(a, per_node)) for a in failed)
+        ]
         agent, path, failure = next((r for r in parsed if not r[2].knock_on), parsed[0])
         return LaunchResult(failure.exit_code, outcome, agent, failure, path), requested
 
@@ -282,8 +326,9 @@ class Controller:
                     text = f"[{agent.label}] {line.rstrip()}" if prefixed else line.rstrip()
                     self.console.print(text, markup=False, highlight=False)
 
-    def _follow(self, agents: list[Agent], stage: Stage, prev: Prev | None,
-                progress: Progress) -> tuple[Stage | None, list[Agent]]:
+    def _follow(
+        self, agents: list[Agent], stage: Stage, prev: Prev | None, progress: Progress
+    ) -> tuple[Stage | None, list[Agent]]:
         """Wait for every node's agent to end, handling telemetry, switch requests and signals.
         Returns the stage requested by the policy and the agents that failed, in the order seen."""
         requested: Stage | None = None
@@ -342,9 +387,14 @@ class Controller:
             self.last_metric, self._dirty = msg, True
             if first_of_launch and prev is not None and prev[0] != stage.strategy:
                 seconds = msg["time"] - msg["iter_s"] - prev[1]["time"]
-                self.events.write("switch", step=prev[1]["step"], to=stage.strategy.to_dict(),
-                                  reason=stage.reason, seconds=round(seconds, 4),
-                                  **{"from": prev[0].to_dict()})
+                self.events.write(
+                    "switch",
+                    step=prev[1]["step"],
+                    to=stage.strategy.to_dict(),
+                    reason=stage.reason,
+                    seconds=round(seconds, 4),
+                    **{"from": prev[0].to_dict()},
+                )
                 self.policy.observe_switch(seconds)
             self._show(progress, stage)
             return self.policy.on_metric(msg)
@@ -363,8 +413,10 @@ class Controller:
         self.events.write("exit", code=code, reason=reason, step=step)
         ppl = self.last_eval.get("val_ppl")
         ppl_text = f", val ppl {ppl:.2f}" if ppl is not None else ""
-        self.console.print(f"cona: {reason} at step {step}{ppl_text} after {time.time() - self.run_start:.1f} s "
-                           f"({self.launch} launches); run dir {self.run_dir}")
+        self.console.print(
+            f"cona: {reason} at step {step}{ppl_text} after {time.time() - self.run_start:.1f} s "
+            f"({self.launch} launches); run dir {self.run_dir}"
+        )
         return code
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -373,8 +425,14 @@ class Controller:
         self.signal_received = signum
 
     def _progress(self) -> Progress:
-        return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                        TimeElapsedColumn(), console=self.console, transient=False)
+        return Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        )
 
     def _show(self, progress: Progress, stage: Stage) -> None:
         m = self.last_metric

@@ -54,8 +54,11 @@ class Failure:
                 return f"its agent was killed by signal {signal.Signals(-self.exit_code).name}"
             return f"torchrun exited with code {self.exit_code}"
         code = self.rank_exit_code
-        how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 and -code in \
-            signal.valid_signals() else f"exit code {code}"
+        how = (
+            f"signal {signal.Signals(-code).name}"
+            if code is not None and code < 0 and -code in signal.valid_signals()
+            else f"exit code {code}"
+        )
         return f"rank {self.rank} failed first ({how})"
 
 
@@ -73,7 +76,7 @@ def parse_failure(log: str, exit_code: int) -> Failure:
     lines = log.splitlines()
     if root is not None:
         prefix = f"[default{root[1]}]:"
-        own = [line[len(prefix):] for line in lines if line.startswith(prefix)]
+        own = [line[len(prefix) :] for line in lines if line.startswith(prefix)]
         lines = own or lines
     return Failure(exit_code, root[0] if root else None, root[2] if root else None, codes, lines[-TAIL:])
 

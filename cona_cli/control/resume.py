@@ -8,15 +8,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.config import Config, ConfigError, config_from_json
+from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.controller import INTERRUPT_GRACE_S
 from cona_cli.control.policies import Policy
-from cona_cli.rundir import RunDir, read_jsonl
-from cona_cli.control.runstate import RunState, lock, wait_for_group
 from cona_cli.control.run_setup import make_policy, resolve_config
+from cona_cli.control.runstate import RunState, lock, wait_for_group
+from cona_cli.rundir import RunDir, read_jsonl
 
 RESUMABLE = ("interrupted", "failed")  # exit reasons after which a run may continue
 
@@ -49,8 +49,15 @@ def _finished(run_dir: Path) -> str | None:
     return None
 
 
-def _check_config(run_dir: Path, stored: dict[str, Any], config: Optional[Path], strategy: Optional[str],
-                  chain: Optional[Path], max_steps: Optional[int], data: Optional[Path]) -> None:
+def _check_config(
+    run_dir: Path,
+    stored: dict[str, Any],
+    config: Path | None,
+    strategy: str | None,
+    chain: Path | None,
+    max_steps: int | None,
+    data: Path | None,
+) -> None:
     """A CONFIG or flags given with --resume must resolve to the run's own config."""
     if config is None and strategy is None and chain is None and max_steps is None and data is None:
         return
@@ -58,12 +65,20 @@ def _check_config(run_dir: Path, stored: dict[str, Any], config: Optional[Path],
     given, _ = make_policy(resolve_config(config or run.config_copy, strategy, chain, max_steps, data))
     diff = first_difference(json.loads(json.dumps(given.to_raw())), stored)
     if diff:
-        raise ConfigError(f"--resume: {diff} differs from the run's config ({run.resolved_config}); "
-                          "resume with the same config and flags, or none")
+        raise ConfigError(
+            f"--resume: {diff} differs from the run's config ({run.resolved_config}); "
+            "resume with the same config and flags, or none"
+        )
 
 
-def prepare_resume(run_dir: Path, config: Optional[Path], strategy: Optional[str], chain: Optional[Path],
-                   max_steps: Optional[int], data: Optional[Path]) -> tuple[Config, Policy, RunState]:
+def prepare_resume(
+    run_dir: Path,
+    config: Path | None,
+    strategy: str | None,
+    chain: Path | None,
+    max_steps: int | None,
+    data: Path | None,
+) -> tuple[Config, Policy, RunState]:
     """Validate RUN_DIR and the arguments; returns the run's config, its restored policy and state.
 
     Holds the run folder's lock from here on (another controller on it is refused)."""
@@ -98,8 +113,9 @@ def prepare_resume(run_dir: Path, config: Optional[Path], strategy: Optional[str
     for pgid in state.agent_pids:  # an orphaned job may still be checkpointing
         wait_for_group(pgid, INTERRUPT_GRACE_S)
     root = run.checkpoints
-    usable, skipped = checkpoints.newest_usable(root, checkpoints.expected_shapes(cfg, run),
-                                                lambda m: print(f"cona: warning: {m}", file=sys.stderr))
+    usable, skipped = checkpoints.newest_usable(
+        root, checkpoints.expected_shapes(cfg, run), lambda m: print(f"cona: warning: {m}", file=sys.stderr)
+    )
     if usable is None and skipped:
         raise ConfigError(f"--resume: no usable checkpoint in {root} ({skipped} unusable, moved to bad-*)")
     state.elapsed_s = max(state.elapsed_s, run_time_so_far(run_dir))

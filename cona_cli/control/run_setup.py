@@ -8,7 +8,6 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
 
 from cona_cli.config import Config, ConfigError, config_from_dict, load_config, parse_chain, read_yaml
 from cona_cli.control.policies import ChainPolicy, Policy, StaticPolicy
@@ -16,8 +15,9 @@ from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy, StrategyError
 
 
-def resolve_config(config: Path, strategy: Optional[str], chain: Optional[Path], max_steps: Optional[int],
-                   data: Optional[Path] = None) -> Config:
+def resolve_config(
+    config: Path, strategy: str | None, chain: Path | None, max_steps: int | None, data: Path | None = None
+) -> Config:
     """The config with CLI overrides applied and validated as a whole."""
     overrides: dict = {}
     if data is not None:
@@ -40,8 +40,9 @@ def resolve_config(config: Path, strategy: Optional[str], chain: Optional[Path],
             raise ConfigError("--max-steps: must be >= 1")
         overrides["train.max_steps"] = max_steps
     cfg = load_config(config, overrides)
-    if not any((cfg.train.max_steps, cfg.train.max_tokens, cfg.train.max_time, cfg.train.target_ppl)) and \
-            not (cfg.chain and cfg.chain[-1].steps):
+    if not any((cfg.train.max_steps, cfg.train.max_tokens, cfg.train.max_time, cfg.train.target_ppl)) and not (
+        cfg.chain and cfg.chain[-1].steps
+    ):
         raise ConfigError(f"{config}: train: needs a stop rule (max_steps, max_tokens, max_time or target_ppl)")
     return cfg
 

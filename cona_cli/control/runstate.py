@@ -21,7 +21,6 @@ from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy
 
 
-
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:

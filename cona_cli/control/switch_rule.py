@@ -29,19 +29,31 @@ def needed_ratio(switch_cost_s: float, horizon_s: float, margin: float) -> float
     return max(1.0 + margin, payback)
 
 
-def decide(gbs: int, t_current: float, gbs_candidate: int, t_candidate: float, gns: float,
-           switch_cost_s: float, horizon_s: float, margin: float) -> Decision:
+def decide(
+    gbs: int,
+    t_current: float,
+    gbs_candidate: int,
+    t_candidate: float,
+    gns: float,
+    switch_cost_s: float,
+    horizon_s: float,
+    margin: float,
+) -> Decision:
     """Compare the running strategy (measured T) with a candidate (predicted T) at the current GNS."""
     phi_cur = float(phi(gbs, t_current, gns))
     phi_new = float(phi(gbs_candidate, t_candidate, gns))
     ratio = phi_new / phi_cur
     needed = needed_ratio(switch_cost_s, horizon_s, margin)
     if ratio > needed:
-        why = f"Φ ratio {ratio:.3f} > {needed:.3f} (margin {margin:g}, switch cost {switch_cost_s:.1f} s " \
-              f"paid back within {horizon_s:g} s)"
+        why = (
+            f"Φ ratio {ratio:.3f} > {needed:.3f} (margin {margin:g}, switch cost {switch_cost_s:.1f} s "
+            f"paid back within {horizon_s:g} s)"
+        )
     elif ratio > 1.0 + margin:
-        why = f"Φ ratio {ratio:.3f} does not pay back the {switch_cost_s:.1f} s switch within {horizon_s:g} s " \
-              f"(needs {needed:.3f})"
+        why = (
+            f"Φ ratio {ratio:.3f} does not pay back the {switch_cost_s:.1f} s switch within {horizon_s:g} s "
+            f"(needs {needed:.3f})"
+        )
     else:
         why = f"Φ ratio {ratio:.3f} <= {1.0 + margin:.3f}"
     return Decision(ratio > needed, phi_cur, phi_new, ratio, needed, why)

@@ -144,8 +144,11 @@ class TelemetryServer:
             return False
         if conn not in self._authed:
             token = msg.get("token")
-            if msg.get("type") != "hello" or not isinstance(token, str) or \
-                    not hmac.compare_digest(token.encode(), self.token.encode()):
+            if (
+                msg.get("type") != "hello"
+                or not isinstance(token, str)
+                or not hmac.compare_digest(token.encode(), self.token.encode())
+            ):
                 self._drop(conn, "bad or missing token")
                 return False
             with self._lock:

@@ -8,8 +8,8 @@ renamed to `bad-step_000120` so that neither the controller nor the workers' pru
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from cona_cli.config import Config, ModelConfig
 from cona_cli.rundir import MARKER, TRAINER_STATE, RunDir, read_trainer_state
@@ -26,8 +26,9 @@ def candidates(root: Path) -> list[Path]:
     """Every `step_*` folder, committed or not, newest first."""
     if not root.is_dir():
         return []
-    return sorted((d for d in root.iterdir() if d.name.startswith("step_") and d.is_dir()),
-                  key=lambda d: d.name, reverse=True)
+    return sorted(
+        (d for d in root.iterdir() if d.name.startswith("step_") and d.is_dir()), key=lambda d: d.name, reverse=True
+    )
 
 
 def checkpoint_step(path: Path) -> int:
@@ -70,8 +71,9 @@ def problem(path: Path, shapes: Shapes | None) -> str | None:
         if f.stat().st_size < size:
             return f"truncated shard {name} ({f.stat().st_size} of {size} bytes)"
     if shapes is not None:
-        saved = {k: tuple(getattr(v, "size", ())) for k, v in meta.state_dict_metadata.items()
-                 if k.startswith("model.")}
+        saved = {
+            k: tuple(getattr(v, "size", ())) for k, v in meta.state_dict_metadata.items() if k.startswith("model.")
+        }
         for key, shape in shapes.items():
             if key not in saved:
                 return f"model tensor {key} missing"

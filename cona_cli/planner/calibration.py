@@ -25,12 +25,22 @@ from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.workload import Workload
 from cona_cli.strategy import Strategy
 
-FREE_PARAMS = ("mfu_max", "eff_half_gflop", "intra_bw_gbs", "intra_latency_us", "inter_bw_gbs", "overlap",
-               "step_overhead_ms", "layer_overhead_us", "tp_overhead_us", "microbatch_overhead_us")
+FREE_PARAMS = (
+    "mfu_max",
+    "eff_half_gflop",
+    "intra_bw_gbs",
+    "intra_latency_us",
+    "inter_bw_gbs",
+    "overlap",
+    "step_overhead_ms",
+    "layer_overhead_us",
+    "tp_overhead_us",
+    "microbatch_overhead_us",
+)
 _UPPER = {"mfu_max": 1.0, "overlap": 1.0}  # fractions; every other parameter may move 100x either way
-_FLOOR = 1e-6                              # parameters are fitted in log space, so never exactly 0
+_FLOOR = 1e-6  # parameters are fitted in log space, so never exactly 0
 MEASUREMENT_NOISE = 0.05  # relative noise of one median step time
-PRIOR_LOG_STD = 1.5       # how far (in log units) data may pull a parameter from the profile's value
+PRIOR_LOG_STD = 1.5  # how far (in log units) data may pull a parameter from the profile's value
 UNCALIBRATED_REL_STD = 0.3  # relative std of the analytic model before any measurement
 
 
@@ -50,8 +60,9 @@ def features(x: np.ndarray) -> np.ndarray:
 class Calibrator:
     """Predictor of seconds per step: analytic model with fitted parameters times a GP residual."""
 
-    def __init__(self, workload: Workload, profile: HardwareProfile, seed: int = 0,
-                 free: tuple[str, ...] = FREE_PARAMS) -> None:
+    def __init__(
+        self, workload: Workload, profile: HardwareProfile, seed: int = 0, free: tuple[str, ...] = FREE_PARAMS
+    ) -> None:
         self.workload = workload
         self.prior = profile
         self.fitted = profile
@@ -95,11 +106,10 @@ class Calibrator:
             return
         x, y = self._measured()
         r = np.log(y) - np.log(iteration_time(x, self.workload, self.fitted))
-        kernel = (ConstantKernel(MEASUREMENT_NOISE**2 * 4, (1e-4, 1.0))
-                  * Matern(length_scale=np.full(5, 2.0), length_scale_bounds=(0.5, 20.0), nu=2.5)
-                  + WhiteKernel(MEASUREMENT_NOISE**2, (1e-6, 0.05)))
-        gp = GaussianProcessRegressor(kernel=kernel, normalize_y=False, n_restarts_optimizer=2,
-                                      random_state=self.seed)
+        kernel = ConstantKernel(MEASUREMENT_NOISE**2 * 4, (1e-4, 1.0)) * Matern(
+            length_scale=np.full(5, 2.0), length_scale_bounds=(0.5, 20.0), nu=2.5
+        ) + WhiteKernel(MEASUREMENT_NOISE**2, (1e-6, 0.05))
+        gp = GaussianProcessRegressor(kernel=kernel, normalize_y=False, n_restarts_optimizer=2, random_state=self.seed)
         with warnings.catch_warnings(), threadpool_limits(1, user_api="blas"):
             warnings.simplefilter("ignore", ConvergenceWarning)  # few points: bounds are often hit
             self._gp = gp.fit(features(x), r)
@@ -120,12 +130,16 @@ class Calibrator:
         return mean, std
 
     def to_dict(self) -> dict[str, Any]:
-        return {"profile": self.prior.name, "seed": self.seed, "free": list(self.free),
-                "params": {p: getattr(self.fitted, p) for p in self.free},
-                "measurements": [{"strategy": str(s), "seconds": v} for s, v in self.measurements.items()]}
+        return {
+            "profile": self.prior.name,
+            "seed": self.seed,
+            "free": list(self.free),
+            "params": {p: getattr(self.fitted, p) for p in self.free},
+            "measurements": [{"strategy": str(s), "seconds": v} for s, v in self.measurements.items()],
+        }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], workload: Workload, profile: HardwareProfile) -> "Calibrator":
+    def from_dict(cls, data: dict[str, Any], workload: Workload, profile: HardwareProfile) -> Calibrator:
         """Restore a calibrator saved by `to_dict` (the GP is refitted, deterministically)."""
         if data["profile"] != profile.name:
             raise ValueError(f"calibration is for hardware {data['profile']!r}, not {profile.name!r}")

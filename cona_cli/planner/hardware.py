@@ -22,19 +22,19 @@ class HardwareProfile:
 
     name: str
     peak_tflops: dict[str, float]  # dense peak per device (per core when cores_per_node is set), by precision
-    memory_gib: float              # per device (the node's total when cores_per_node is set)
-    mem_bw_gbs: float              # device memory bandwidth (optimizer step)
-    intra_bw_gbs: float            # per-direction bus bandwidth between devices of one node
-    intra_latency_us: float        # per-message latency inside a node
-    inter_bw_gbs: float            # per-node network bandwidth (shared by the rings that cross the node)
-    inter_latency_us: float        # per-message latency between nodes
-    mfu_max: float                 # best achievable fraction of peak on large GEMMs
-    eff_half_gflop: float          # work per layer and micro-batch on one device at which efficiency is half of mfu_max
-    overlap: float                 # fraction of data-parallel communication that can hide behind backward
-    step_overhead_ms: float        # fixed per-step cost
-    layer_overhead_us: float       # fixed cost per layer per micro-batch (kernel launches, Python)
-    tp_overhead_us: float          # extra fixed cost per tensor-parallel layer per micro-batch (DTensor dispatch)
-    reserved_gib: float            # runtime/context memory per process
+    memory_gib: float  # per device (the node's total when cores_per_node is set)
+    mem_bw_gbs: float  # device memory bandwidth (optimizer step)
+    intra_bw_gbs: float  # per-direction bus bandwidth between devices of one node
+    intra_latency_us: float  # per-message latency inside a node
+    inter_bw_gbs: float  # per-node network bandwidth (shared by the rings that cross the node)
+    inter_latency_us: float  # per-message latency between nodes
+    mfu_max: float  # best achievable fraction of peak on large GEMMs
+    eff_half_gflop: float  # work per layer and micro-batch on one device at which efficiency is half of mfu_max
+    overlap: float  # fraction of data-parallel communication that can hide behind backward
+    step_overhead_ms: float  # fixed per-step cost
+    layer_overhead_us: float  # fixed cost per layer per micro-batch (kernel launches, Python)
+    tp_overhead_us: float  # extra fixed cost per tensor-parallel layer per micro-batch (DTensor dispatch)
+    reserved_gib: float  # runtime/context memory per process
     cores_per_node: int | None = None  # CPUs: processes of a node share its cores and memory
     microbatch_overhead_us: float = 0.0  # fixed host cost per micro-batch and stage (schedule, loss, autograd start)
 
@@ -83,8 +83,11 @@ def hardware_from_dict(raw: Any) -> HardwareProfile:
         if key not in raw and f.default is dataclasses.MISSING:
             raise ConfigError(f"{key}: required")
     peak = raw["peak_tflops"]
-    if not isinstance(peak, dict) or "fp32" not in peak or any(
-            k not in ("fp32", "bf16", "fp16") or not type_ok(v, float) or v <= 0 for k, v in peak.items()):
+    if (
+        not isinstance(peak, dict)
+        or "fp32" not in peak
+        or any(k not in ("fp32", "bf16", "fp16") or not type_ok(v, float) or v <= 0 for k, v in peak.items())
+    ):
         raise ConfigError("peak_tflops: must map fp32 (and optionally bf16, fp16) to TFLOP/s > 0")
     for key, value in raw.items():
         if key == "peak_tflops":

@@ -11,8 +11,10 @@ after search.budget evaluations.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from skopt import Optimizer
@@ -26,8 +28,8 @@ from cona_cli.config import Config, SearchConfig
 from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.space import Space, enumerate_space
-from cona_cli.strategy import Strategy
 from cona_cli.planner.surrogate import crossover_gns, phi
+from cona_cli.strategy import Strategy
 
 
 class Predictor(Protocol):
@@ -49,9 +51,15 @@ class Candidate:
         return self.strategy.gbs / self.time_s
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.strategy.to_dict(), "microbatches": self.strategy.n_microbatches,
-                "time_s": self.time_s, "time_std": self.time_std, "samples_per_s": self.samples_per_s,
-                "memory_gib": self.memory_gib, "phi": self.phi}
+        return {
+            **self.strategy.to_dict(),
+            "microbatches": self.strategy.n_microbatches,
+            "time_s": self.time_s,
+            "time_std": self.time_std,
+            "samples_per_s": self.samples_per_s,
+            "memory_gib": self.memory_gib,
+            "phi": self.phi,
+        }
 
 
 @dataclass(frozen=True)
@@ -69,9 +77,13 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
     def to_dict(self, top: int | None = None, rejected: bool = False) -> dict[str, Any]:
-        out: dict[str, Any] = {"gbs": self.gbs, "n_feasible": self.n_feasible, "evaluated": len(self.ranked),
-                               "exhaustive": self.exhaustive,
-                               "candidates": [c.to_dict() for c in self.ranked[:top]]}
+        out: dict[str, Any] = {
+            "gbs": self.gbs,
+            "n_feasible": self.n_feasible,
+            "evaluated": len(self.ranked),
+            "exhaustive": self.exhaustive,
+            "candidates": [c.to_dict() for c in self.ranked[:top]],
+        }
         if rejected:
             out["rejected"] = [{"strategy": str(s), "reason": r} for s, r in self.rejected]
         return out
@@ -81,14 +93,23 @@ def _bayesian(coords: np.ndarray, objective: Callable[[int], float], settings: S
     """Indices of the candidates BO evaluated; `objective(i)` returns log T of candidate i."""
     pts = coords[:, coords.max(axis=0) > coords.min(axis=0)]
     dims = [Real(float(lo), float(hi)) for lo, hi in zip(pts.min(axis=0), pts.max(axis=0))]
-    kernel = ConstantKernel(1.0, (0.01, 100.0)) * Matern(length_scale=np.ones(len(dims)),
-                                                         length_scale_bounds=(0.1, 5.0), nu=2.5)
-    gp = GaussianProcessRegressor(kernel=kernel, normalize_y=True, noise="gaussian", n_restarts_optimizer=0,
-                                  random_state=settings.seed)  # one hyperparameter fit per tell keeps it fast
+    kernel = ConstantKernel(1.0, (0.01, 100.0)) * Matern(
+        length_scale=np.ones(len(dims)), length_scale_bounds=(0.1, 5.0), nu=2.5
+    )
+    gp = GaussianProcessRegressor(
+        kernel=kernel, normalize_y=True, noise="gaussian", n_restarts_optimizer=0, random_state=settings.seed
+    )  # one hyperparameter fit per tell keeps it fast
     n_initial = min(settings.n_initial, settings.budget)
-    opt = Optimizer(dims, base_estimator=gp, n_initial_points=n_initial, initial_point_generator="lhs",
-                    acq_func="EI", acq_optimizer="sampling", acq_optimizer_kwargs={"n_points": 100},
-                    random_state=settings.seed)
+    opt = Optimizer(
+        dims,
+        base_estimator=gp,
+        n_initial_points=n_initial,
+        initial_point_generator="lhs",
+        acq_func="EI",
+        acq_optimizer="sampling",
+        acq_optimizer_kwargs={"n_points": 100},
+        random_state=settings.seed,
+    )
     seen: dict[int, float] = {}
     with threadpool_limits(1, user_api="blas"):  # tiny GP matrices: BLAS threads only add overhead
         for _ in range(settings.budget):
@@ -117,18 +138,29 @@ def search_gbs(space: Space, predictor: Predictor, gbs: int, settings: SearchCon
         idx = np.arange(len(x))
         mean, std = predictor.predict(x)
     else:
+
         def objective(i: int) -> float:
-            return float(np.log(predictor.predict(x[i:i + 1])[0][0]))
+            return float(np.log(predictor.predict(x[i : i + 1])[0][0]))
 
         idx = np.array(_bayesian(np.log2(x[:, :4].astype(np.float64)), objective, settings))
         mean, std = predictor.predict(x[idx])
     order = np.argsort(mean, kind="stable")
-    ranked = [Candidate(sub.feasible[idx[k]], float(mean[k]), float(std[k]), float(sub.memory_gib[idx[k]]),
-                        float(phi(gbs, mean[k], gns))) for k in order]
+    ranked = [
+        Candidate(
+            sub.feasible[idx[k]],
+            float(mean[k]),
+            float(std[k]),
+            float(sub.memory_gib[idx[k]]),
+            float(phi(gbs, mean[k], gns)),
+        )
+        for k in order
+    ]
     return SearchResult(gbs, ranked, sub.rejected, len(sub.feasible), exhaustive)
 
 
-def plan(cfg: Config, hw: HardwareProfile, predictor: Predictor, ladder: list[int], gns: float = 0.0) -> list[SearchResult]:
+def plan(
+    cfg: Config, hw: HardwareProfile, predictor: Predictor, ladder: list[int], gns: float = 0.0
+) -> list[SearchResult]:
     """Search every rung of the ladder (one space enumeration for all)."""
     space = enumerate_space(cfg, hw, ladder)
     return [search_gbs(space, predictor, g, cfg.search, gns) for g in ladder]
@@ -138,5 +170,7 @@ def crossovers(results: list[SearchResult]) -> list[tuple[int, int, float]]:
     """(smaller gbs, larger gbs, GNS above which the larger rung's best beats the smaller's) for
     consecutive rungs that have a feasible strategy; GNS 0.0: always, inf: never."""
     best = [r.best for r in results if r.best is not None]
-    return [(a.strategy.gbs, b.strategy.gbs, crossover_gns(a.strategy.gbs, a.time_s, b.strategy.gbs, b.time_s))
-            for a, b in zip(best, best[1:])]
+    return [
+        (a.strategy.gbs, b.strategy.gbs, crossover_gns(a.strategy.gbs, a.time_s, b.strategy.gbs, b.time_s))
+        for a, b in itertools.pairwise(best)
+    ]

@@ -22,10 +22,11 @@ class Space:
     memory_gib: np.ndarray
     rejected: list[tuple[Strategy, str]]
 
-    def at_gbs(self, gbs: int) -> "Space":
+    def at_gbs(self, gbs: int) -> Space:
         keep = [i for i, s in enumerate(self.feasible) if s.gbs == gbs]
-        return Space([self.feasible[i] for i in keep], self.memory_gib[keep],
-                     [(s, r) for s, r in self.rejected if s.gbs == gbs])
+        return Space(
+            [self.feasible[i] for i in keep], self.memory_gib[keep], [(s, r) for s, r in self.rejected if s.gbs == gbs]
+        )
 
 
 def gbs_ladder(cfg: Config) -> list[int]:
@@ -79,7 +80,9 @@ def enumerate_space(cfg: Config, hw: HardwareProfile, ladder: list[int] | None =
     budget = (1 - cfg.search.memory_margin) * hw.device_memory_bytes(ppn)
     fits = need <= budget
     feasible = [s for s, ok in zip(candidates, fits) if ok]
-    rejected += [(s, f"memory {n / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB available "
-                     f"({cfg.search.memory_margin:.0%} margin)")
-                 for s, n, ok in zip(candidates, need, fits) if not ok]
+    rejected += [
+        (s, f"memory {n / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB available ({cfg.search.memory_margin:.0%} margin)")
+        for s, n, ok in zip(candidates, need, fits)
+        if not ok
+    ]
     return Space(feasible, need[fits] / 2**30, rejected)

@@ -26,8 +26,15 @@ class Workload:
 
     @classmethod
     def from_config(cls, cfg: Config) -> Workload:
-        return cls(model_shape(cfg.model, cfg.data.vocab_size), cfg.search.precision, cfg.search.recompute,
-                   cfg.train.pp_schedule, cfg.train.dp_impl, cfg.cluster.nodes, cfg.cluster.procs_per_node)
+        return cls(
+            model_shape(cfg.model, cfg.data.vocab_size),
+            cfg.search.precision,
+            cfg.search.recompute,
+            cfg.train.pp_schedule,
+            cfg.train.dp_impl,
+            cfg.cluster.nodes,
+            cfg.cluster.procs_per_node,
+        )
 
     @property
     def world(self) -> int:
@@ -43,6 +50,5 @@ class Workload:
         embedding is held by the first and the last stage)."""
         m = self.shape
         head = m.embedding_params if m.tied_embeddings else m.vocab * m.d_model
-        ends = np.where(pp == 1, m.embedding_params + (0 if m.tied_embeddings else head),
-                        max(m.embedding_params, head))
+        ends = np.where(pp == 1, m.embedding_params + (0 if m.tied_embeddings else head), max(m.embedding_params, head))
         return (m.n_layers / pp * m.layer_params + ends) / tp

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from cona_cli.report.runlog import EvalRow, Event, RunLog, StepRow, as_strategy
 from cona_cli.strategy import Strategy
@@ -102,10 +102,16 @@ def time_to_target(log: RunLog, target: float) -> TargetResult:
     hit = next((e for e in _finite_evals(log) if e.val_ppl <= target), None)
     samples = hit.consumed_samples if hit else None
     return TargetResult(
-        target_ppl=target, reached=hit is not None,
-        time_s=hit.time if hit else None, step=hit.step if hit else None, samples=samples,
+        target_ppl=target,
+        reached=hit is not None,
+        time_s=hit.time if hit else None,
+        step=hit.step if hit else None,
+        samples=samples,
         tokens=samples * log.seq_len if samples is not None and log.seq_len else None,
-        best_ppl=best.val_ppl if best else None, best_time_s=best.time if best else None, speedup=None)
+        best_ppl=best.val_ppl if best else None,
+        best_time_s=best.time if best else None,
+        speedup=None,
+    )
 
 
 @dataclass
@@ -117,8 +123,9 @@ class _Group:
 
 def _groups(log: RunLog) -> list[_Group]:
     """Split the run at launches of a new strategy and at strategy changes in step rows."""
-    stream: list[tuple[float, int, Event | StepRow]] = [
-        (e.time, 0, e) for e in log.of_kind("launch")] + [(s.time, 1, s) for s in log.steps]
+    stream: list[tuple[float, int, Event | StepRow]] = [(e.time, 0, e) for e in log.of_kind("launch")] + [
+        (s.time, 1, s) for s in log.steps
+    ]
     stream.sort(key=lambda x: (x[0], x[1]))
     groups: list[_Group] = []
     for time, _, item in stream:
@@ -151,8 +158,11 @@ def _ending_switch(switches: list[Event], after: float, to: Strategy) -> Event |
 
 def _decision_for(log: RunLog, switch: Event, since: float, to: Strategy) -> Event | None:
     """The last decision to switch to `to` taken between `since` and the switch."""
-    found = [d for d in log.of_kind("decision")
-             if d.get("switch") and since <= d.time <= switch.time and _matches(d.get("candidate"), to)]
+    found = [
+        d
+        for d in log.of_kind("decision")
+        if d.get("switch") and since <= d.time <= switch.time and _matches(d.get("candidate"), to)
+    ]
     return found[-1] if found else None
 
 
@@ -189,13 +199,22 @@ def timeline(log: RunLog) -> list[Segment]:
         rows = g.rows
         iters = [r.iter_s for r in rows if r.iter_s is not None]
         gns = [r.gns for r in rows if r.gns is not None]
-        stages.append(Segment(
-            strategy=g.strategy, start_s=g.start, end_s=rows[-1].time if rows else g.start,
-            first_step=rows[0].step if rows else None, last_step=rows[-1].step if rows else None,
-            steps=rows[-1].step - rows[0].step + 1 if rows else 0,
-            median_iter_s=statistics.median(iters) if iters else None, predicted_iter_s=predicted,
-            gns_entry=gns[0] if gns else None, gns_exit=gns[-1] if gns else None,
-            end_reason=reason, switch_s=_number(switch.get("seconds")) if switch else None))
+        stages.append(
+            Segment(
+                strategy=g.strategy,
+                start_s=g.start,
+                end_s=rows[-1].time if rows else g.start,
+                first_step=rows[0].step if rows else None,
+                last_step=rows[-1].step if rows else None,
+                steps=rows[-1].step - rows[0].step + 1 if rows else 0,
+                median_iter_s=statistics.median(iters) if iters else None,
+                predicted_iter_s=predicted,
+                gns_entry=gns[0] if gns else None,
+                gns_exit=gns[-1] if gns else None,
+                end_reason=reason,
+                switch_s=_number(switch.get("seconds")) if switch else None,
+            )
+        )
         predicted = _number(decision.get("predicted_t")) if decision else None
     return stages
 
@@ -210,15 +229,24 @@ def run_report(log: RunLog, targets: Sequence[float]) -> RunReport:
     exit_event = log.last("exit")
     best = best_eval(log)
     return RunReport(
-        name=log.name, path=str(log.path), policy=log.policy,
-        exit_reason=str(exit_event.get("reason")) if exit_event else None, wall_s=wall,
-        steps=last.step if last else 0, samples=samples,
+        name=log.name,
+        path=str(log.path),
+        policy=log.policy,
+        exit_reason=str(exit_event.get("reason")) if exit_event else None,
+        wall_s=wall,
+        steps=last.step if last else 0,
+        samples=samples,
         tokens=samples * log.seq_len if samples is not None and log.seq_len else None,
-        seq_len=log.seq_len, switches=len(switches), switch_overhead_s=overhead,
+        seq_len=log.seq_len,
+        switches=len(switches),
+        switch_overhead_s=overhead,
         switch_overhead_pct=100.0 * overhead / wall if wall > 0 else None,
-        final_ppl=log.evals[-1].val_ppl if log.evals else None, best_ppl=best.val_ppl if best else None,
-        targets=tuple(time_to_target(log, t) for t in targets), timeline=tuple(timeline(log)),
-        warnings=log.warnings)
+        final_ppl=log.evals[-1].val_ppl if log.evals else None,
+        best_ppl=best.val_ppl if best else None,
+        targets=tuple(time_to_target(log, t) for t in targets),
+        timeline=tuple(timeline(log)),
+        warnings=log.warnings,
+    )
 
 
 def _with_speedups(run: RunReport, baseline: RunReport) -> RunReport:
@@ -235,8 +263,7 @@ def static_baseline(logs: Sequence[RunLog]) -> int | None:
     return static[0] if len(static) == 1 else None
 
 
-def build_report(logs: Sequence[RunLog], targets: Sequence[float] = (),
-                 baseline: int | None = None) -> Report:
+def build_report(logs: Sequence[RunLog], targets: Sequence[float] = (), baseline: int | None = None) -> Report:
     """The report over `logs`; `baseline` indexes the run to compare against (default: the static one)."""
     if targets:
         chosen, source = tuple(targets), "flag"
@@ -247,5 +274,9 @@ def build_report(logs: Sequence[RunLog], targets: Sequence[float] = (),
         baseline = static_baseline(logs)
     if baseline is not None:
         runs = [_with_speedups(r, runs[baseline]) for r in runs]
-    return Report(targets=chosen, target_source=source,
-                  baseline=runs[baseline].name if baseline is not None else None, runs=tuple(runs))
+    return Report(
+        targets=chosen,
+        target_source=source,
+        baseline=runs[baseline].name if baseline is not None else None,
+        runs=tuple(runs),
+    )

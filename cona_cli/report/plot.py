@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib
 from matplotlib.axes import Axes
@@ -21,16 +21,23 @@ def short(s: Strategy) -> str:
     return str(s).replace("-", " ")
 
 
-def _mark_switches(log: RunLog, ppl_ax: Axes, batch_ax: Axes,
-                   color: tuple) -> None:
+def _mark_switches(log: RunLog, ppl_ax: Axes, batch_ax: Axes, color: tuple) -> None:
     """A dashed vertical line at each switch, annotated with the strategy switched to."""
     for sw in log.of_kind("switch"):
         for ax in (ppl_ax, batch_ax):
             ax.axvline(sw.time, color=color, ls="--", lw=0.8, alpha=0.7)
         to = as_strategy(sw.get("to"))
         if to is not None:
-            ppl_ax.annotate(short(to), xy=(sw.time, 0.98), xycoords=("data", "axes fraction"),
-                            rotation=90, ha="right", va="top", fontsize=7, color=color)
+            ppl_ax.annotate(
+                short(to),
+                xy=(sw.time, 0.98),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                ha="right",
+                va="top",
+                fontsize=7,
+                color=color,
+            )
 
 
 def plot_report(logs: Sequence[RunLog], report: Report, out: Path) -> None:
@@ -44,19 +51,23 @@ def plot_report(logs: Sequence[RunLog], report: Report, out: Path) -> None:
         color = cmap(i % 10)
         evals = [e for e in log.evals if math.isfinite(e.val_ppl) and e.val_ppl > 0]
         any_ppl |= bool(evals)
-        ppl_ax.plot([e.time for e in evals], [e.val_ppl for e in evals], marker="o", ms=3,
-                    color=color, label=log.name)
-        batch_ax.step([s.time for s in log.steps], [s.strategy.gbs for s in log.steps], where="pre",
-                      color=color, label=f"{log.name} gbs")
+        ppl_ax.plot([e.time for e in evals], [e.val_ppl for e in evals], marker="o", ms=3, color=color, label=log.name)
+        batch_ax.step(
+            [s.time for s in log.steps],
+            [s.strategy.gbs for s in log.steps],
+            where="pre",
+            color=color,
+            label=f"{log.name} gbs",
+        )
         gns = [s for s in log.steps if s.gns is not None]
         if gns_ax is not None and gns:
-            gns_ax.plot([s.time for s in gns], [s.gns for s in gns], ls=":", color=color,
-                        label=f"{log.name} GNS")
+            gns_ax.plot([s.time for s in gns], [s.gns for s in gns], ls=":", color=color, label=f"{log.name} GNS")
         _mark_switches(log, ppl_ax, batch_ax, color)
     for i, target in enumerate(report.targets):
         ppl_ax.axhline(target, color="black", ls=":", lw=1, label="target ppl" if i == 0 else None)
-        ppl_ax.annotate(f"{target:.4g}", xy=(0.005, target), xycoords=("axes fraction", "data"),
-                        va="bottom", fontsize=8)
+        ppl_ax.annotate(
+            f"{target:.4g}", xy=(0.005, target), xycoords=("axes fraction", "data"), va="bottom", fontsize=8
+        )
     if any_ppl:
         ppl_ax.set_yscale("log")
         ppl_ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from cona_cli.rundir import RunDir, read_jsonl
 from cona_cli.strategy import Strategy, StrategyError
@@ -125,15 +126,26 @@ def _int(row: Mapping[str, Any], key: str, required: bool = False) -> int | None
 
 def _step_row(row: Mapping[str, Any]) -> StepRow:
     strategy = Strategy.from_mapping(dict(row), "step row")
-    return StepRow(step=_int(row, "step", True), time=_num(row, "time", True), strategy=strategy,
-                   iter_s=_num(row, "iter_s"), consumed_samples=_int(row, "consumed_samples"),
-                   loss=_num(row, "loss"), launch=_int(row, "launch"), gns=_num(row, "gns"))
+    return StepRow(
+        step=_int(row, "step", True),
+        time=_num(row, "time", True),
+        strategy=strategy,
+        iter_s=_num(row, "iter_s"),
+        consumed_samples=_int(row, "consumed_samples"),
+        loss=_num(row, "loss"),
+        launch=_int(row, "launch"),
+        gns=_num(row, "gns"),
+    )
 
 
 def _eval_row(row: Mapping[str, Any]) -> EvalRow:
-    return EvalRow(step=_int(row, "step", True), time=_num(row, "time", True),
-                   val_ppl=_num(row, "val_ppl", True), val_loss=_num(row, "val_loss"),
-                   consumed_samples=_int(row, "consumed_samples"))
+    return EvalRow(
+        step=_int(row, "step", True),
+        time=_num(row, "time", True),
+        val_ppl=_num(row, "val_ppl", True),
+        val_loss=_num(row, "val_loss"),
+        consumed_samples=_int(row, "consumed_samples"),
+    )
 
 
 def _config_summary(path: Path, warnings: list[str]) -> tuple[int | None, float | None]:
@@ -182,5 +194,12 @@ def read_run(path: Path) -> RunLog:
         else:
             warnings.append(f"{events_path}: skipped an event without kind or time")
     seq_len, target = _config_summary(run.resolved_config, warnings)
-    return RunLog(path=path, steps=tuple(steps), evals=tuple(evals), events=tuple(events),
-                  seq_len=seq_len, target_ppl=target, warnings=tuple(warnings))
+    return RunLog(
+        path=path,
+        steps=tuple(steps),
+        evals=tuple(evals),
+        events=tuple(events),
+        seq_len=seq_len,
+        target_ppl=target,
+        warnings=tuple(warnings),
+    )

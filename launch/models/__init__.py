@@ -8,7 +8,8 @@ imports the family's module (torch) for the engine. A new family is one module e
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from launch.models.shape import ModelShape, gpt_shape
 

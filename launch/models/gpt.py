@@ -66,8 +66,14 @@ class Attention(nn.Module):
         k = apply_rope(self.wk(x).view(b, t, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1],
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            enable_gqa=k.shape[1] != q.shape[1],
+            dropout_p=self.dropout if self.training else 0.0,
+        )
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -167,11 +173,23 @@ def tp_plan(model: GPT) -> dict[str, ParallelStyle]:
     if model.output is not None:
         plan["output"] = ColwiseParallel(output_layouts=Replicate())
     for i in model.layers:
-        plan |= {f"layers.{i}.attention.wq": ColwiseParallel(), f"layers.{i}.attention.wk": ColwiseParallel(),
-                 f"layers.{i}.attention.wv": ColwiseParallel(), f"layers.{i}.attention.wo": RowwiseParallel(),
-                 f"layers.{i}.feed_forward.w1": ColwiseParallel(), f"layers.{i}.feed_forward.w2": RowwiseParallel()}
+        plan |= {
+            f"layers.{i}.attention.wq": ColwiseParallel(),
+            f"layers.{i}.attention.wk": ColwiseParallel(),
+            f"layers.{i}.attention.wv": ColwiseParallel(),
+            f"layers.{i}.attention.wo": RowwiseParallel(),
+            f"layers.{i}.feed_forward.w1": ColwiseParallel(),
+            f"layers.{i}.feed_forward.w2": RowwiseParallel(),
+        }
     return plan
 
 
-SPEC = ModelSpec(family="gpt", build=build, tp_plan=tp_plan, pipeline_split=split_for_stage, loss=loss_fn,
-                 batch=next_token_batch, shape=gpt_shape)
+SPEC = ModelSpec(
+    family="gpt",
+    build=build,
+    tp_plan=tp_plan,
+    pipeline_split=split_for_stage,
+    loss=loss_fn,
+    batch=next_token_batch,
+    shape=gpt_shape,
+)

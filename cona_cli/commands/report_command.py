@@ -9,12 +9,13 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from cona_cli.commands.errors import fail
 from cona_cli.report.build import Report, RunReport, Segment, TargetResult, build_report
 from cona_cli.report.runlog import NotARunError, RunLog, read_run
 
@@ -61,8 +62,15 @@ def ttp_rows(report: Report, sep: str) -> Rows:
         if report.baseline:
             row += [_num(t.speedup, ".2f", "×") for t in r.targets]
         overhead = f"{r.switch_overhead_s:.1f} s ({_num(r.switch_overhead_pct, '.1f', '%')})"
-        row += [f"{r.wall_s:.1f} s", str(r.steps), _amount(r.tokens, r.samples), str(r.switches),
-                overhead, _num(r.final_ppl), r.exit_reason or "no exit event"]
+        row += [
+            f"{r.wall_s:.1f} s",
+            str(r.steps),
+            _amount(r.tokens, r.samples),
+            str(r.switches),
+            overhead,
+            _num(r.final_ppl),
+            r.exit_reason or "no exit event",
+        ]
         rows.append(row)
     return headers, rows
 
@@ -73,12 +81,35 @@ def _steps_cell(s: Segment) -> str:
 
 def timeline_rows(run: RunReport) -> Rows:
     """One row per stage of a run's chain."""
-    headers = ["#", "strategy", "start", "end", "steps", "s/iter", "predicted", "GNS in", "GNS out",
-               "switch", "ended by"]
-    rows = [[str(i), str(s.strategy), f"{s.start_s:.1f} s", f"{s.end_s:.1f} s", _steps_cell(s),
-             _num(s.median_iter_s, ".3g"), _num(s.predicted_iter_s, ".3g"), _num(s.gns_entry, ".4g"),
-             _num(s.gns_exit, ".4g"), _num(s.switch_s, ".1f", " s"), s.end_reason]
-            for i, s in enumerate(run.timeline, 1)]
+    headers = [
+        "#",
+        "strategy",
+        "start",
+        "end",
+        "steps",
+        "s/iter",
+        "predicted",
+        "GNS in",
+        "GNS out",
+        "switch",
+        "ended by",
+    ]
+    rows = [
+        [
+            str(i),
+            str(s.strategy),
+            f"{s.start_s:.1f} s",
+            f"{s.end_s:.1f} s",
+            _steps_cell(s),
+            _num(s.median_iter_s, ".3g"),
+            _num(s.predicted_iter_s, ".3g"),
+            _num(s.gns_entry, ".4g"),
+            _num(s.gns_exit, ".4g"),
+            _num(s.switch_s, ".1f", " s"),
+            s.end_reason,
+        ]
+        for i, s in enumerate(run.timeline, 1)
+    ]
     return headers, rows
 
 
@@ -112,6 +143,7 @@ def format_table(report: Report, console: Console) -> None:
 def _markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
     return "\n".join([line(headers), line(["---"] * len(headers)), *map(line, rows)])
 
 
@@ -123,16 +155,42 @@ def format_markdown(report: Report) -> str:
     return "\n".join(parts) + "\n"
 
 
-CSV_FIELDS = ("run", "policy", "target_ppl", "reached", "time_to_target_s", "steps_to_target",
-              "samples_to_target", "tokens_to_target", "best_ppl", "best_ppl_time_s", "speedup",
-              "baseline", "wall_s", "steps", "samples", "tokens", "switches", "switch_overhead_s",
-              "switch_overhead_pct", "final_ppl", "exit_reason")
+CSV_FIELDS = (
+    "run",
+    "policy",
+    "target_ppl",
+    "reached",
+    "time_to_target_s",
+    "steps_to_target",
+    "samples_to_target",
+    "tokens_to_target",
+    "best_ppl",
+    "best_ppl_time_s",
+    "speedup",
+    "baseline",
+    "wall_s",
+    "steps",
+    "samples",
+    "tokens",
+    "switches",
+    "switch_overhead_s",
+    "switch_overhead_pct",
+    "final_ppl",
+    "exit_reason",
+)
 
 
 def _csv_target(t: TargetResult) -> dict[str, Any]:
-    return {"target_ppl": t.target_ppl, "reached": int(t.reached), "time_to_target_s": t.time_s,
-            "steps_to_target": t.step, "samples_to_target": t.samples, "tokens_to_target": t.tokens,
-            "best_ppl_time_s": t.best_time_s, "speedup": t.speedup}
+    return {
+        "target_ppl": t.target_ppl,
+        "reached": int(t.reached),
+        "time_to_target_s": t.time_s,
+        "steps_to_target": t.step,
+        "samples_to_target": t.samples,
+        "tokens_to_target": t.tokens,
+        "best_ppl_time_s": t.best_time_s,
+        "speedup": t.speedup,
+    }
 
 
 def format_csv(report: Report) -> str:
@@ -141,11 +199,21 @@ def format_csv(report: Report) -> str:
     writer = csv.DictWriter(out, fieldnames=CSV_FIELDS, lineterminator="\n")
     writer.writeheader()
     for r in report.runs:
-        run = {"run": r.name, "policy": r.policy, "best_ppl": r.best_ppl, "baseline": report.baseline,
-               "wall_s": r.wall_s, "steps": r.steps, "samples": r.samples, "tokens": r.tokens,
-               "switches": r.switches, "switch_overhead_s": r.switch_overhead_s,
-               "switch_overhead_pct": r.switch_overhead_pct, "final_ppl": r.final_ppl,
-               "exit_reason": r.exit_reason}
+        run = {
+            "run": r.name,
+            "policy": r.policy,
+            "best_ppl": r.best_ppl,
+            "baseline": report.baseline,
+            "wall_s": r.wall_s,
+            "steps": r.steps,
+            "samples": r.samples,
+            "tokens": r.tokens,
+            "switches": r.switches,
+            "switch_overhead_s": r.switch_overhead_s,
+            "switch_overhead_pct": r.switch_overhead_pct,
+            "final_ppl": r.final_ppl,
+            "exit_reason": r.exit_reason,
+        }
         for fields in [_csv_target(t) for t in r.targets] or [{}]:
             writer.writerow({k: "" if v is None else v for k, v in {**run, **fields}.items()})
     return out.getvalue()
@@ -167,16 +235,11 @@ def format_json(report: Report) -> str:
     return json.dumps(_finite(dataclasses.asdict(report)), indent=2) + "\n"
 
 
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"cona report: {message}", err=True)
-    raise typer.Exit(2)
-
-
 def _read(path: Path) -> RunLog:
     try:
         return read_run(path)
     except NotARunError as e:
-        _fail(str(e))
+        raise fail("cona report", str(e)) from None
 
 
 def _load(run_dirs: list[Path], baseline: Path | None) -> tuple[list[RunLog], int | None]:
@@ -191,22 +254,30 @@ def _load(run_dirs: list[Path], baseline: Path | None) -> tuple[list[RunLog], in
 
 
 def report_command(
-    run_dirs: Annotated[list[Path], typer.Argument(metavar="RUN_DIR", show_default=False,
-                                                   help="Run directories written by `cona train`.")],
-    target_ppl: Annotated[Optional[list[float]], typer.Option(
-        "--target-ppl", help="Target perplexity (repeatable). Default: the config's train.target_ppl, "
-                             "else the best perplexity every run reached.")] = None,
-    baseline: Annotated[Optional[Path], typer.Option(
-        help="Run to compute speed-ups against. Default: the only run with policy static.")] = None,
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(metavar="RUN_DIR", show_default=False, help="Run directories written by `cona train`."),
+    ],
+    target_ppl: Annotated[
+        list[float] | None,
+        typer.Option(
+            "--target-ppl",
+            help="Target perplexity (repeatable). Default: the config's train.target_ppl, "
+            "else the best perplexity every run reached.",
+        ),
+    ] = None,
+    baseline: Annotated[
+        Path | None, typer.Option(help="Run to compute speed-ups against. Default: the only run with policy static.")
+    ] = None,
     fmt: Annotated[str, typer.Option("--format", help="table, markdown, csv or json.")] = "table",
-    plot: Annotated[Optional[Path], typer.Option(help="Also write a PNG figure here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Also write a PNG figure here.")] = None,
 ) -> None:
     """Time to target perplexity and the chain timeline of one or more runs (running or crashed too)."""
     if fmt not in FORMATS:
-        _fail(f"--format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise fail("cona report", f"--format: must be one of {', '.join(FORMATS)}, got {fmt!r}") from None
     for t in target_ppl or []:
         if not (math.isfinite(t) and t > 1):
-            _fail(f"--target-ppl: must be a number > 1, got {t}")
+            raise fail("cona report", f"--target-ppl: must be a number > 1, got {t}") from None
     logs, base_index = _load(run_dirs, baseline)
     for log in logs:
         for warning in log.warnings:
@@ -219,10 +290,11 @@ def report_command(
         sys.stdout.write(formatter(report))
     if plot is not None:
         from cona_cli.report.plot import plot_report  # matplotlib only when asked for
+
         try:
             plot.parent.mkdir(parents=True, exist_ok=True)
             plot_report(logs, report, plot)
         except OSError as e:
             typer.echo(f"cona report: cannot write {plot}: {e}", err=True)
-            raise typer.Exit(1)
+            raise typer.Exit(1) from None
         typer.echo(f"cona report: wrote {plot}", err=True)

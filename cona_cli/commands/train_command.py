@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -11,6 +10,7 @@ from rich.console import Console
 from cona_cli.cluster.nodes import ClusterError
 from cona_cli.cluster.sbatch import sbatch_script
 from cona_cli.cluster.slurm import SlurmError
+from cona_cli.commands.errors import fail
 from cona_cli.config import ConfigError
 from cona_cli.control.controller import Controller
 from cona_cli.control.resume import prepare_resume
@@ -20,27 +20,29 @@ from cona_cli.control.runstate import lock
 err = Console(stderr=True, soft_wrap=True)
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"cona: {message}", err=True)
-    return typer.Exit(code)
-
-
 def train_command(
-    config: Optional[Path] = typer.Argument(None, help="YAML config (model, data, cluster, train, strategy/chain)."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run folder (default runs/<config>-<time>)."),
-    strategy: Optional[str] = typer.Option(None, "--strategy", help="Fixed strategy, e.g. dp2-tp1-pp2-mbs2-gbs16."),
-    chain: Optional[Path] = typer.Option(None, "--chain", help="YAML chain file to replay."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps."),
-    data: Optional[Path] = typer.Option(None, "--data", help="Folder with train.txt and valid.txt (data.path)."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue this run folder from its newest "
-                                          "checkpoint, with its own config (CONFIG and flags must agree)."),
+    config: Path | None = typer.Argument(None, help="YAML config (model, data, cluster, train, strategy/chain)."),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="Run folder (default runs/<config>-<time>)."),
+    strategy: str | None = typer.Option(None, "--strategy", help="Fixed strategy, e.g. dp2-tp1-pp2-mbs2-gbs16."),
+    chain: Path | None = typer.Option(None, "--chain", help="YAML chain file to replay."),
+    max_steps: int | None = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps."),
+    data: Path | None = typer.Option(None, "--data", help="Folder with train.txt and valid.txt (data.path)."),
+    resume: Path | None = typer.Option(
+        None,
+        "--resume",
+        help="Continue this run folder from its newest checkpoint, with its own config (CONFIG and flags must agree).",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Stream the workers' output."),
-    sbatch: Optional[Path] = typer.Option(None, "--sbatch", help="Write a Slurm batch script that runs this "
-                                          "training (launcher slurm) to this file instead of training now."),
+    sbatch: Path | None = typer.Option(
+        None,
+        "--sbatch",
+        help="Write a Slurm batch script that runs this "
+        "training (launcher slurm) to this file instead of training now.",
+    ),
 ) -> None:
     """Train under a fixed strategy or a chain of strategies, switching by checkpoint + relaunch."""
     if strategy is not None and chain is not None:
-        raise _fail("--strategy and --chain: give one of them")
+        raise fail("cona", "--strategy and --chain: give one of them")
     state = None
     try:
         if sbatch is not None:
@@ -62,20 +64,31 @@ def train_command(
             lock(run_dir)
         controller = Controller(cfg, run_dir, policy, console=err, verbose=verbose, resume=state)
     except ConfigError as e:
-        raise _fail(str(e)) from None
+        raise fail("cona", str(e)) from None
     except (ClusterError, SlurmError) as e:
-        raise _fail(str(e), 1) from None
+        raise fail("cona", str(e), 1) from None
     raise typer.Exit(controller.run())
 
 
-def write_sbatch(path: Path, config: Path, run_dir: Optional[Path], strategy: Optional[str],
-                 chain: Optional[Path], max_steps: Optional[int], data: Optional[Path]) -> None:
+def write_sbatch(
+    path: Path,
+    config: Path,
+    run_dir: Path | None,
+    strategy: str | None,
+    chain: Path | None,
+    max_steps: int | None,
+    data: Path | None,
+) -> None:
     """Validate the config and write the batch script (the run folder is made now, for Slurm's log)."""
     cfg = resolve_config(config, strategy, chain, max_steps, data)
     run_dir = (run_dir or default_run_dir(config)).absolute()
     argv = [str(config.absolute()), "--run-dir", str(run_dir)]
-    for flag, value in (("--strategy", strategy), ("--chain", chain and chain.absolute()),
-                        ("--max-steps", max_steps), ("--data", data and data.absolute())):
+    for flag, value in (
+        ("--strategy", strategy),
+        ("--chain", chain and chain.absolute()),
+        ("--max-steps", max_steps),
+        ("--data", data and data.absolute()),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     text = sbatch_script(cfg, argv, run_dir, Path.cwd())
