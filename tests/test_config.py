@@ -34,6 +34,16 @@ BAD = [
     ),
     ({"policy": "greedy"}, "policy: must be one of"),
     ({"optimizer": {"name": "sgd"}}, "optimizer: unknown section"),
+    ({"search": {"mbs": [0, 2]}}, "search.mbs: must be > 0"),
+    ({"search": {"gbs_ladder": [8, -16]}}, "search.gbs_ladder: must be > 0"),
+    ({"search": {"gbs_min": 8, "gbs_max": 3}}, "search.gbs_max: 3 is below search.gbs_min 8"),
+    ({"search": {"gbs_static": 16, "gbs_max": 8}}, "search.gbs_max: 8 is below search.gbs_static 16"),
+    ({"search": {"n_initial": 30, "budget": 10}}, "search.n_initial: 30 initial points exceed search.budget 10"),
+    ({"model": {"d_model": 30}}, "model.d_model: 30 is not divisible by model.n_heads 4"),
+    ({"model": {"d_model": 12}}, "model.d_model: the head size d_model / n_heads = 3 must be even"),
+    ({"model": {"n_kv_heads": 3}}, "model.n_kv_heads: 3 does not divide model.n_heads 4"),
+    ({"train": {"warmup_tokens": 5000, "decay_tokens": 1000}}, "train.warmup_tokens: 5000 is more than"),
+    ({"train": {"target_ppl": 20, "eval_interval": None}}, "train.target_ppl: needs evaluations"),
 ]
 
 
@@ -72,6 +82,26 @@ def test_bad_flags_and_files(tmp_path: Path) -> None:
         result = runner.invoke(app, args)
         assert result.exit_code == 2, (args, result.output)
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+
+
+def test_every_numeric_field_has_a_range() -> None:
+    import dataclasses
+    from typing import get_type_hints
+
+    from cona_cli import config
+
+    for section in (
+        config.ModelConfig,
+        config.DataConfig,
+        config.ClusterConfig,
+        config.TrainConfig,
+        config.SearchConfig,
+    ):
+        hints = get_type_hints(section)
+        for f in dataclasses.fields(section):
+            numeric = any(n in str(hints[f.name]) for n in ("int", "float")) and hints[f.name] is not bool
+            if numeric and f.metadata.get("yaml", True):
+                assert f.metadata.get("check") is not None, f"{section.__name__}.{f.name}"
 
 
 def test_shipped_configs_are_valid() -> None:
