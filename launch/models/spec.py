@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +32,18 @@ def next_token_batch(windows: torch.Tensor, sample_ids: torch.Tensor) -> Batch:
 
 
 @dataclass(frozen=True)
+class HFExport:
+    """How a family maps onto a Hugging Face `transformers` model (for `cona export --format hf`)."""
+
+    architecture: str
+    """The transformers class, e.g. GPT2LMHeadModel."""
+    config: Callable[[ModelConfig, int], dict[str, Any]]
+    """config.json for a model config and vocabulary size (tokenizer ids are added by the exporter)."""
+    tensors: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
+    """A consolidated state dict in cona's names (no `model.` prefix) -> tensors in the HF model's names."""
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     family: str
     build: Callable[[ModelConfig, int], nn.Module]
@@ -46,3 +58,5 @@ class ModelSpec:
     """(token windows [n, seq_len + 1], global sample ids [n]) -> (inputs, targets)."""
     shape: Callable[[ModelConfig, int], ModelShape]
     """The torch-free shape the planner's cost and memory models read."""
+    hf: HFExport | None = None
+    """The Hugging Face mapping, if the family has one."""
