@@ -39,8 +39,18 @@ def _fraction(v: Any) -> str | None:
     return None if 0 <= v < 1 else "must be in [0, 1)"
 
 
+def _kappa(v: Any) -> str | None:
+    return None if v == "auto" or (not isinstance(v, str) and v > 0) else "must be auto or a number > 0"
+
+
 def _one_of(*choices: str) -> Check:
     return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
+
+
+def _precision(v: Any) -> str | None:
+    if v == "fp16":
+        return "fp16 needs loss scaling, which the engine does not do; use bf16"
+    return _one_of("fp32", "bf16")(v)
 
 
 def _f(default: Any = dataclasses.MISSING, check: Check | None = None) -> Any:
@@ -51,7 +61,7 @@ def _empty(factory: Callable[[], Any]) -> Any:
     return field(default_factory=factory, metadata={"check": None})
 
 
-MODEL_FAMILIES = ("gpt",)  # the families of `launch.models` (a test keeps the two in step)
+MODEL_FAMILIES = ("gpt", "llama", "bert")  # the families of `launch.models` (a test keeps the two in step)
 
 
 @dataclass(frozen=True)
@@ -64,8 +74,9 @@ class ModelConfig:
     ffn: int = _f(check=_positive)
     seq_len: int = _f(check=_positive)
     family: str = _f("gpt", _one_of(*MODEL_FAMILIES))
-    n_kv_heads: int | None = _f(None, _positive)
+    n_kv_heads: int | None = _f(None, _positive)  # grouped-query attention (llama)
     dropout: float = _f(0.0, _fraction)
+    rope_theta: float = _f(500000.0, _positive)  # RoPE base (llama; Llama 3's default)
 
     @property
     def kv_heads(self) -> int:
@@ -120,6 +131,9 @@ class ClusterConfig:
     srun_args: list[str] = _empty(list)  # extra srun options
     sbatch_options: list[str] = _empty(list)  # #SBATCH lines for `cona train --sbatch`
     probe_timeout_s: float = _f(30.0, _positive)  # how long nodes wait to see each other's probe files
+    standby: bool = _f(True)  # pre-warm the next launch while one trains, so switches skip start-up
+    startup_timeout_s: float = _f(1800.0, _positive)  # collective timeout until the first step is through
+    collective_timeout_s: float = _f(600.0, _positive)  # collective timeout after the first step
     hosts: tuple[NodeSpec, ...] = field(default=(), metadata={"yaml": False})  # `ssh`: from `nodes`
 
     @property
@@ -217,6 +231,7 @@ class TrainConfig:
     gns_window: float = _f(1024.0, _positive)  # samples over which the GNS smoothing forgets
     dp_impl: str = _f("ddp", _one_of("ddp", "fsdp"))
     pp_schedule: str = _f("1f1b", _one_of("1f1b", "gpipe"))
+    tensorboard: bool = _f(False)  # step, eval and decision metrics as TensorBoard event files too
 
 
 @dataclass(frozen=True)
@@ -231,7 +246,7 @@ class SearchConfig:
     max_tp: int | None = _f(None, _positive)
     tp_within_node: bool = _f(True)
     gbs_static: int | None = _f(None, _positive)
-    precision: str = _f("fp32", _one_of("fp32", "bf16", "fp16"))
+    precision: str = _f("fp32", _precision)
     recompute: bool = _f(False)
     memory_margin: float = _f(0.1, _fraction)
     exhaustive_max: int = _f(64, _non_negative)
@@ -248,6 +263,8 @@ class SearchConfig:
     fallback: bool = _f(True)
     fallback_patience: int = _f(20, _positive)  # steps of falling GNS that trigger a fallback
     optimism: float = _f(1.0, _non_negative)  # stds taken off the predicted T of strategies never run
+    lookahead: int = _f(1, _positive)  # rungs above the current one that compete (1: the paper's rule)
+    kappa: float | str = _f("auto", _kappa)  # Φ_κ's multiplier on GNS: a number, or auto (fitted, 1 if unsure)
 
 
 @dataclass(frozen=True)
@@ -432,6 +449,8 @@ def cross_field_problem(cfg: Config) -> str | None:
         return f"model.d_model: the head size d_model / n_heads = {m.d_model // m.n_heads} must be even (RoPE)"
     if m.n_heads % m.kv_heads:
         return f"model.n_kv_heads: {m.kv_heads} does not divide model.n_heads {m.n_heads}"
+    if m.kv_heads != m.n_heads and m.family != "llama":
+        return f"model.n_kv_heads: grouped-query attention is llama's; the {m.family} family has n_heads K/V heads"
     if t.decay_tokens is not None and t.warmup_tokens > t.decay_tokens:
         return f"train.warmup_tokens: {t.warmup_tokens} is more than train.decay_tokens {t.decay_tokens}"
     if t.target_ppl is not None and t.eval_interval is None and t.eval_interval_s is None:

@@ -16,6 +16,7 @@ from typing import Any
 MARKER = "COMMITTED"  # written last into a checkpoint folder: the checkpoint is complete
 TRAINER_STATE = "trainer.json"  # step, consumed samples, strategy, schedule and statistics state
 BAD_CHECKPOINT_EXIT = 3  # a worker that cannot load its checkpoint exits with this code
+OUT_OF_MEMORY_EXIT = 4  # a worker that ran out of device (or host) memory exits with this code
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,23 @@ class RunDir:
         return self.path / "data"
 
     @property
+    def tensorboard(self) -> Path:
+        """TensorBoard event files of step, eval and decision metrics (`train.tensorboard`), by the controller."""
+        return self.path / "tensorboard"
+
+    @property
+    def memory_estimate_file(self) -> Path:
+        """The planner's peak-memory estimate (bytes per device) of each strategy launched, by the controller."""
+        return self.path / "memory_estimates.json"
+
+    def memory_estimates(self) -> dict[str, float]:
+        """Strategy (as a string) -> the planner's estimate; empty before the controller wrote any."""
+        try:
+            return json.loads(self.memory_estimate_file.read_text())
+        except FileNotFoundError:
+            return {}
+
+    @property
     def probe(self) -> Path:
         """The shared-storage check's files while it runs."""
         return self.path / ".probe"
@@ -84,6 +102,14 @@ class RunDir:
     def launch_outcome(self, launch: int) -> Path:
         """How launch `launch` ended (reason, step, checkpoint), written by worker rank 0."""
         return self.launches / f"{launch:03d}.json"
+
+    def handover(self, launch: int) -> Path:
+        """What the controller hands a pre-warmed standby job that becomes launch `launch`."""
+        return self.launches / f"{launch:03d}.handover.json"
+
+    def standby_ready(self, launch: int) -> Path:
+        """Touched by a standby's rank 0 once its imports are done and it waits for the hand-over."""
+        return self.launches / f"{launch:03d}.standby-ready"
 
     def launch_log(self, launch: int, node: str | None = None) -> Path:
         """torchrun's output of a launch; with several nodes one file per node."""

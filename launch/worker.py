@@ -18,6 +18,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,14 +29,25 @@ import torch.distributed as dist
 
 from cona_cli.config import Config, config_from_json
 from cona_cli.gns import NoiseScale, two_batch_estimate
-from cona_cli.rundir import BAD_CHECKPOINT_EXIT, RunDir
+from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, RunDir
 from cona_cli.strategy import Strategy
 from launch import checkpoint, testhooks
 from launch.data import CorpusInfo, TokenStream, eval_batches, replica_microbatches
+from launch.device import (
+    DeviceError,
+    group_device,
+    init_distributed,
+    is_out_of_memory,
+    peak_memory,
+    shorten_timeouts,
+    synchronize,
+)
 from launch.gradstats import SmallBatchNorms, local_grad_sq, scale_grads
 from launch.lr import learning_rate
+from launch.materialise import build_model
 from launch.models import get_spec
-from launch.models.spec import Batch
+from launch.models.spec import IGNORE_INDEX, Batch
+from launch.optimizer import adamw
 from launch.parallelize import ParallelModel, build_mesh, parallelize
 from launch.telemetry_client import TelemetryClient
 
@@ -49,6 +62,7 @@ class TrainerState:
     consumed_samples: int = 0
     time: float = 0.0  # run time of the last step
     last_eval_time: float = 0.0
+    last_eval_step: int | None = None
     best_val_ppl: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -60,11 +74,41 @@ class StepOut(NamedTuple):
     eval: bool  # rank 0 wants an evaluation after this step
     checkpoint: bool  # rank 0 wants a time-based periodic checkpoint after this step
     noise: dict[str, float]
+    memory: dict[str, Any]  # peak memory (max over ranks) and the planner's estimate
+
+
+@contextmanager
+def exit_on_out_of_memory(strategy: Strategy, device: torch.device) -> Iterator[None]:
+    """An out-of-memory error ends the rank with `OUT_OF_MEMORY_EXIT` and one line naming the strategy and
+    the rank's measured peak (the controller marks the strategy infeasible)."""
+    try:
+        yield
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        peak = int(peak_memory(device)[0])
+        rank = dist.get_rank()
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        print(
+            f"cona-worker rank {rank}: out of memory under {strategy}: peak {peak} bytes ({type(e).__name__}: {first})",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(OUT_OF_MEMORY_EXIT)  # not sys.exit: the other ranks wait in collectives that will never complete
+
+
+def to_device(micro: list[Batch], device: torch.device) -> list[Batch]:
+    return [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in micro]
 
 
 class Worker:
-    def __init__(self, cfg: Config, run_dir: Path, strategy: Strategy, launch: int) -> None:
+    def __init__(
+        self, cfg: Config, run_dir: Path, strategy: Strategy, launch: int, device: torch.device | None = None
+    ) -> None:
+        """`device`: this rank's (default: the process group's, see `launch.device`)."""
         self.cfg, self.run_dir, self.strategy, self.launch = cfg, run_dir, strategy, launch
+        self.device = device or group_device()
         self.files = RunDir(run_dir)
         self.rank = dist.get_rank()
         self.run_start = float(os.environ.get("CONA_RUN_START", time.time()))
@@ -72,22 +116,29 @@ class Worker:
         m = cfg.model
         self.spec = get_spec(m.family)
         self.seq_len = m.seq_len
-        self.train_stream = TokenStream(corpus.train_path, m.seq_len, cfg.train.seed, self.spec.batch)
+        self.batch = self.spec.batch(corpus.vocab_size)  # the family's (windows, sample ids) -> (inputs, targets)
+        self.train_stream = TokenStream(corpus.train_path, m.seq_len, cfg.train.seed, self.batch)
         self.valid_path = corpus.valid_path
-        device = "cuda" if cfg.cluster.backend == "nccl" else "cpu"
-        self.mesh = build_mesh(strategy, device)
+        self.mesh = build_mesh(strategy, self.device.type)
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
         self.pp_rank = self.mesh["pp"].get_local_rank()
-        model = self.spec.build(m, corpus.vocab_size)
-        model.init_weights(cfg.train.seed)
+        t, search = cfg.train, cfg.search
+        model = build_model(self.spec, m, corpus.vocab_size, t.seed, self.device, self.pp_rank, strategy.pp)
         self.pm: ParallelModel = parallelize(
-            model, self.mesh, strategy, self.spec, dp_impl=cfg.train.dp_impl, pp_schedule=cfg.train.pp_schedule
+            model,
+            self.mesh,
+            strategy,
+            self.spec,
+            dp_impl=t.dp_impl,
+            pp_schedule=t.pp_schedule,
+            precision=search.precision,
+            recompute=search.recompute,
+            device=self.device,
         )
-        t = cfg.train
-        self.opt = torch.optim.AdamW(
-            self.pm.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=False
-        )
+        self.opt = adamw(self.pm.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        self.memory_estimate = self.files.memory_estimates().get(str(strategy))  # the planner's, from the controller
+        self.timeouts_shortened = False
         self.state = TrainerState()
         self.small = SmallBatchNorms(self.pm) if t.gns and t.dp_impl == "ddp" else None
         self.noise = NoiseScale(window=t.gns_window)
@@ -95,9 +146,11 @@ class Worker:
         self.telemetry = TelemetryClient() if self.rank == 0 else None
         self.had_controller = self.telemetry is not None and self.telemetry.connected
         self.stop_requested = False
+        self.switch_requested = False  # the controller's stop command is for a switch, not the run's end
         self.saved: tuple[int, Path] | None = None  # (step, path) of the checkpoint this state is in
         self.last_save_time = self.now()
         self.metrics = open(self.files.metrics, "a") if self.rank == 0 else None
+        self.setup_s = 0.0  # process group, model, layout and checkpoint load: set by run()
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -152,11 +205,30 @@ class Worker:
 
     # -- one step ----------------------------------------------------------------------------
 
-    def _reduce(self, values: list[float]) -> list[float]:
-        """Sum a few scalars over all ranks with one all-reduce."""
-        t = torch.tensor(values, dtype=torch.float64)
+    def _reduce(self, values: list[torch.Tensor | float]) -> list[float]:
+        """Sum a few scalars (host numbers or 0-d device tensors) over all ranks with one all-reduce on the
+        rank's device, and read them: the one host sync of a step."""
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values])
         dist.all_reduce(t)
         return t.tolist()
+
+    def _memory_slots(self) -> list[float]:
+        """This rank's peak memory at its own place among all ranks' (summed over ranks: everyone's)."""
+        slots = [0.0] * (2 * dist.get_world_size())
+        slots[2 * self.rank : 2 * self.rank + 2] = peak_memory(self.device)
+        return slots
+
+    def memory_fields(self, slots: list[float]) -> dict[str, Any]:
+        """Step-row memory fields: the maximum over ranks of the peaks, and the planner's estimate."""
+        fields: dict[str, Any] = {}
+        if self.device.type == "cuda":
+            fields["peak_allocated_bytes"] = int(max(slots[0::2]))
+            fields["peak_reserved_bytes"] = int(max(slots[1::2]))
+        else:
+            fields["peak_rss_bytes"] = int(max(slots[0::2]))
+        if self.memory_estimate is not None:
+            fields["memory_estimate_bytes"] = int(self.memory_estimate)
+        return fields
 
     def _counts_loss(self) -> bool:
         return self.pm.is_last and self.tp_rank == 0
@@ -175,6 +247,7 @@ class Worker:
             group["lr"] = lr
         torch.manual_seed(t.seed * 1_000_003 + st.step * 1009 + self.dp_rank * 31 + self.pp_rank)
         micro = replica_microbatches(self.train_stream, st.consumed_samples, s.gbs, s.dp, self.dp_rank, s.mbs)
+        micro = to_device(micro, self.device)
         self.opt.zero_grad(set_to_none=True)
         if self.small is not None:
             self.small.begin_step()
@@ -187,7 +260,7 @@ class Worker:
         stop = 0.0
         if self.rank == 0:
             stop = _STOP_COMMAND if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
-        loss_total, grad_sq, small_sq, stop_code, eval_votes, ckpt_votes = self._reduce(
+        loss_total, grad_sq, small_sq, stop_code, eval_votes, ckpt_votes, *slots = self._reduce(
             [
                 loss_sum if self._counts_loss() else 0.0,
                 local_grad_sq(self.pm),
@@ -195,6 +268,7 @@ class Worker:
                 stop,
                 float(self.rank == 0 and want_eval),
                 float(self.rank == 0 and self.checkpoint_due_by_time()),
+                *self._memory_slots(),
             ]
         )
         noise = self._update_noise(small_sq, grad_sq)
@@ -206,7 +280,13 @@ class Worker:
         st.consumed_samples += s.gbs
         stop_reason = {_STOP_COMMAND: "command", _STOP_TIME: "max_time"}.get(stop_code)
         return StepOut(
-            loss_total / (s.dp * s.n_microbatches), grad_norm, stop_reason, eval_votes > 0, ckpt_votes > 0, noise
+            loss_total / (s.dp * s.n_microbatches),
+            grad_norm,
+            stop_reason,
+            eval_votes > 0,
+            ckpt_votes > 0,
+            noise,
+            self.memory_fields(slots),
         )
 
     def _update_noise(self, small_total: float, big_sq: float) -> dict[str, float]:
@@ -224,30 +304,35 @@ class Worker:
         return fields
 
     def evaluate(self) -> tuple[float, float]:
-        """Loss over a fixed validation slice, identical under every layout (padded to whole batches)."""
+        """Mean loss per target over a fixed validation slice, identical under every layout (padded to whole
+        batches): the exact loss sum over the exact number of targets (masked LM: the masked tokens)."""
         s = self.strategy
         self.pm.model.eval()
-        loss_sum = 0.0
+        loss_sum: torch.Tensor | float = 0.0
+        n_targets: torch.Tensor | float = 0.0
+        scale = s.mbs * self.seq_len * self.spec.target_fraction  # what loss_fn divides the sum by
         for micro in self.eval_set:
-            loss_sum += self.pm.evaluate(micro) * s.mbs * self.seq_len  # loss_fn divides by all positions
+            loss_sum = loss_sum + self.pm.evaluate(micro) * scale
+            n_targets = n_targets + sum((y != IGNORE_INDEX).sum() for _, y in micro)
         self.pm.model.train()
-        n_tokens = max(1, self.cfg.train.eval_tokens // self.seq_len) * self.seq_len
-        (total,) = self._reduce([loss_sum if self._counts_loss() else 0.0])
-        val_loss = total / n_tokens
+        counts = self._counts_loss()
+        total, n = self._reduce([loss_sum if counts else 0.0, n_targets if counts else 0.0])
+        val_loss = total / max(n, 1.0)
         return val_loss, math.exp(min(val_loss, 50.0))
 
     @functools.cached_property
     def eval_set(self) -> list[list[Batch]]:
         """This replica's share of the fixed validation slice, built once per launch."""
         s = self.strategy
-        return eval_batches(
-            self.valid_path, self.seq_len, self.cfg.train.eval_tokens, s.gbs, s.dp, self.dp_rank, s.mbs, self.spec.batch
+        steps = eval_batches(
+            self.valid_path, self.seq_len, self.cfg.train.eval_tokens, s.gbs, s.dp, self.dp_rank, s.mbs, self.batch
         )
+        return [to_device(micro, self.device) for micro in steps]
 
     def run_eval(self) -> float:
         val_loss, val_ppl = self.evaluate()
         st = self.state
-        st.last_eval_time = self.now()
+        st.last_eval_time, st.last_eval_step = self.now(), st.step
         st.best_val_ppl = val_ppl if st.best_val_ppl is None else min(st.best_val_ppl, val_ppl)
         self.emit(
             {
@@ -287,6 +372,7 @@ class Worker:
         for msg in self.telemetry.poll():
             if msg.get("cmd") == "checkpoint_and_exit":
                 self.stop_requested = True
+                self.switch_requested = bool(msg.get("switch"))
         if not self.telemetry.connected:
             self.stop_requested = True
 
@@ -294,10 +380,20 @@ class Worker:
         interval = self.cfg.train.checkpoint_interval
         return out.checkpoint or (interval is not None and self.state.step % interval == 0)
 
+    def ends_run(self, reason: str, stop_step: int | None) -> bool:
+        """Whether the launch's stop ends the run: a stop rule, max_time, an interrupt or the last stage of
+        a chain; not a switch (a chain's stage end, or a stop command the controller sent for a switch)."""
+        if reason == "stage_end":
+            chain = self.cfg.chain if self.cfg.policy == "chain" else None
+            return bool(chain and chain[-1].steps) and stop_step == sum(c.steps or 0 for c in chain)
+        return not (reason == "command" and self.switch_requested)
+
     def train(self, stop_step: int | None, fresh: bool) -> dict[str, Any]:
         t, st, s = self.cfg.train, self.state, self.strategy
         if self.telemetry is not None:
-            self.telemetry.send({"type": "ready", "launch": self.launch, "step": st.step, "time": self.now()})
+            self.telemetry.send(
+                {"type": "ready", "launch": self.launch, "step": st.step, "time": self.now(), "setup_s": self.setup_s}
+            )
         if fresh and (t.eval_interval or t.eval_interval_s):
             self.run_eval()
         reason = self.stop_reason(st.best_val_ppl)  # a resumed run may already be done
@@ -308,8 +404,13 @@ class Worker:
             self.poll_commands()
             t0 = time.perf_counter()
             out = self.train_step(self.eval_due())
+            synchronize(self.device)  # the optimizer step may still be queued on a GPU
             iter_s = time.perf_counter() - t0
             st.time = self.now()
+            if not self.timeouts_shortened:  # communicators built, shapes inferred: steady-state timeout
+                groups = [self.mesh[d].get_group() for d in ("pp", "dp", "tp")]
+                shorten_timeouts(self.cfg.cluster.collective_timeout_s, groups)
+                self.timeouts_shortened = True
             self.emit(
                 {
                     "kind": "step",
@@ -323,6 +424,9 @@ class Worker:
                     "consumed_samples": st.consumed_samples,
                     "grad_norm": out.grad_norm,
                     "launch": self.launch,
+                    "precision": self.cfg.search.precision,
+                    "recompute": self.cfg.search.recompute,
+                    **out.memory,
                     **out.noise,
                 }
             )
@@ -330,6 +434,8 @@ class Worker:
             reason = self.stop_reason(val_ppl) or out.stop
             if reason is None and self.checkpoint_due(out):
                 self.save("periodic")
+        if self.ends_run(reason, stop_step) and st.last_eval_step != st.step:
+            self.run_eval()  # the last checkpoint's validation perplexity is always in metrics.jsonl
         path = self.save({"stage_end": "switch", "command": "interrupt"}.get(reason, "final"))
         return {
             "reason": reason,
@@ -349,26 +455,39 @@ def main() -> None:
     parser.add_argument("--resume", type=Path)
     parser.add_argument("--stop-step", type=int)
     args = parser.parse_args()
-    resolved = RunDir(args.run_dir).resolved_config
+    run(args.run_dir, args.strategy, args.launch, args.resume, args.stop_step)
+
+
+def run(run_dir: Path, strategy: Strategy, launch: int, resume: Path | None, stop_step: int | None) -> None:
+    """One launch on this rank, from process-group start to the outcome file (a standby job calls it
+    once the controller hands it a strategy)."""
+    t_start = time.time()
+    resolved = RunDir(run_dir).resolved_config
     cfg = config_from_json(resolved.read_text(), str(resolved))
-    backend = "nccl" if cfg.cluster.backend == "nccl" else "gloo"
-    dist.init_process_group(backend)
+    try:
+        device = init_distributed(cfg.cluster)
+    except DeviceError as e:
+        print(f"cona-worker: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    worker = Worker(cfg, args.run_dir, args.strategy, args.launch)
+    with exit_on_out_of_memory(strategy, device):
+        worker = Worker(cfg, run_dir, strategy, launch, device)
     # SIGTERM from torchrun or the controller: finish the step, checkpoint, exit.
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop_requested", True))
-    if args.resume is not None:
+    if resume is not None:
         try:
-            worker.restore(args.resume)
+            worker.restore(resume)
         except checkpoint.CheckpointError as e:
             print(f"cona-worker rank {worker.rank}: bad checkpoint: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             # Not sys.exit: after a failed DCP load, interpreter shutdown can abort (SIGABRT,
             # "terminate called without an active exception") and the controller would never see the code.
             os._exit(BAD_CHECKPOINT_EXIT)
-    result = worker.train(args.stop_step, fresh=args.resume is None)
+    worker.setup_s = time.time() - t_start
+    with exit_on_out_of_memory(strategy, device):
+        result = worker.train(stop_step, fresh=resume is None)
     if worker.rank == 0:
-        out = RunDir(args.run_dir).launch_outcome(args.launch)
+        out = RunDir(run_dir).launch_outcome(launch)
         out.parent.mkdir(exist_ok=True)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(result))

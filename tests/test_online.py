@@ -17,7 +17,7 @@ class Events:
         return self.rows[-1]
 
 
-def _policy() -> tuple[ConaPolicy, Events]:
+def _policy(**search: object) -> tuple[ConaPolicy, Events]:
     doc = {k: v for k, v in TINY.items() if k != "strategy"}
     doc["search"] = {
         "gbs_min": 8,
@@ -27,6 +27,7 @@ def _policy() -> tuple[ConaPolicy, Events]:
         "horizon_s": 600,
         "decision_every": 2,
         "min_steps": 2,
+        **search,
     }
     policy = ConaPolicy(config_from_dict(doc, "test"), load_hardware("cpu-local"))
     policy.events = Events()
@@ -66,3 +67,12 @@ def test_stays_while_gns_is_small_then_climbs_and_undoes_a_bad_move() -> None:
     assert policy.current.strategy == start and policy.previous == []
     state = policy.state_dict()
     assert str(stage.strategy) in state["samples"]  # the bad rung's real speed is remembered
+
+
+def test_lookahead_lets_one_switch_climb_two_rungs() -> None:
+    for lookahead, gbs, kind in ((1, 16, "next_gbs"), (2, 32, "next_gbs+1")):
+        policy, events = _policy(lookahead=lookahead, kappa=1.0)
+        _, stage = _feed(policy, 1, 1, 40, 0.05, gns=1e5)  # noise dominates: the most samples/s wins
+        assert stage is not None and stage.strategy.gbs == gbs, (lookahead, stage)
+        chosen = events.rows[-1]
+        assert chosen["candidate_kind"] == kind and chosen["kappa"] == 1.0

@@ -13,11 +13,14 @@ import statistics
 import threading
 from typing import Any
 
+import numpy as np
+
 from cona_cli.config import Config
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.switch_rule import FallbackMonitor, decide
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import HardwareProfile
+from cona_cli.planner.kappa import Curve, KappaFit, fit_kappa
 from cona_cli.planner.search import Candidate, SearchResult, search_gbs
 from cona_cli.planner.space import enumerate_space, gbs_ladder
 from cona_cli.planner.workload import Workload
@@ -58,6 +61,9 @@ class ConaPolicy(Policy):
         self._thread: threading.Thread | None = None
         self._launch: int | None = None
         self._launch_steps = 0
+        self._last_gns: float | None = None
+        self.probe: list[tuple[float, float, int, float]] = []  # (samples, val loss, gbs, GNS) per evaluation
+        self.kappa_fit = KappaFit(1.0, 1.0, 1.0, 1.0, 0.0)
         first = self._search_now(self.ladder[0]).best
         if first is None:
             raise ValueError(f"search: no feasible strategy at gbs {self.ladder[0]}")
@@ -78,7 +84,7 @@ class ConaPolicy(Policy):
 
     def _rungs_to_search(self) -> list[int]:
         i = self.ladder.index(self.current.strategy.gbs)
-        return self.ladder[i : i + 2]  # the current rung (better layout?) and the next (frontier)
+        return self.ladder[i : i + 1 + self.s.lookahead]  # this rung (better layout?) and the frontier
 
     def _maybe_search(self) -> None:
         """Start a background search if none runs and the calibration data moved enough."""
@@ -111,6 +117,32 @@ class ConaPolicy(Policy):
     def first(self) -> Stage:
         return self.current
 
+    def may_switch(self) -> bool:
+        return len(self.ladder) > 1
+
+    def kappa(self) -> float:
+        """Φ_κ's multiplier on the measured GNS: `search.kappa`, or the fit of this run's evidence."""
+        return self.kappa_fit.kappa if self.s.kappa == "auto" else float(self.s.kappa)
+
+    def on_eval(self, row: dict[str, Any]) -> None:
+        """Probe-loss evidence for κ: samples so far, validation loss, the batch and GNS in force."""
+        if self._last_gns is not None and row.get("consumed_samples"):
+            self.probe.append((row["consumed_samples"], row["val_loss"], self.current.strategy.gbs, self._last_gns))
+
+    def refit_kappa(self) -> threading.Thread | None:
+        """Refit κ in the background from this run's evaluations (after a switch: only then do two
+        batch sizes show); a second of least squares stays off the switch's critical path."""
+        if self.s.kappa != "auto" or len(self.probe) < 6:
+            return None
+        samples, loss, gbs, gns = (np.array(col, dtype=float) for col in zip(*self.probe))
+
+        def run() -> None:
+            self.kappa_fit = fit_kappa([Curve(samples, loss, gbs, gns)])
+
+        thread = threading.Thread(target=run, name="cona-kappa", daemon=True)
+        thread.start()
+        return thread
+
     def switch_cost(self) -> float:
         if not self.switch_costs:
             return self.s.switch_cost_s
@@ -129,6 +161,8 @@ class ConaPolicy(Policy):
             times.append(row["iter_s"])
             del times[:-SAMPLE_WINDOW]  # recent steps only: follows host drift, bounds the saved state
         gns = row.get("gns")
+        if gns is not None:
+            self._last_gns = gns
         if gns is not None and self.fallback.update(gns):
             return self._fall_back(row, gns)
         timed = len(self.samples.get(cur, []))
@@ -150,10 +184,11 @@ class ConaPolicy(Policy):
         same = results.get(cur.gbs)
         if same is not None and same.best is not None and same.best.strategy != cur:
             candidates.append(("same_gbs", same.best))
-        if i + 1 < len(self.ladder) and row["step"] >= self.blocked_until_step:
-            nxt = results.get(self.ladder[i + 1])
-            if nxt is not None and nxt.best is not None:
-                candidates.append(("next_gbs", nxt.best))
+        if row["step"] >= self.blocked_until_step:
+            for up, gbs in enumerate(self.ladder[i + 1 : i + 1 + self.s.lookahead], 1):
+                above = results.get(gbs)
+                if above is not None and above.best is not None:
+                    candidates.append(("next_gbs" if up == 1 else f"next_gbs+{up - 1}", above.best))
         if self.previous:  # the rung we came from, at its measured speed: undo a move that did not pay
             back = self.previous[-1]
             t_back = statistics.median(self.samples[back])
@@ -165,7 +200,15 @@ class ConaPolicy(Policy):
         for kind, cand in candidates:
             t_cand = self._optimistic_time(cand, t_cur)
             d = decide(
-                cur.gbs, t_cur, cand.strategy.gbs, t_cand, gns, self.switch_cost(), self.s.horizon_s, self.s.margin
+                cur.gbs,
+                t_cur,
+                cand.strategy.gbs,
+                t_cand,
+                gns,
+                self.switch_cost(),
+                self.s.horizon_s,
+                self.s.margin,
+                self.kappa(),
             )
             if best is None or d.ratio > best[2].ratio:
                 best = (kind, cand, d, t_cand)
@@ -205,6 +248,7 @@ class ConaPolicy(Policy):
             self.previous.append(old)
             self.fallback.arm()
         self.current = requested
+        self.refit_kappa()
         self._searched_for = None  # a new frontier: search again once the new strategy is measured
         return requested
 
@@ -219,6 +263,8 @@ class ConaPolicy(Policy):
             "previous": [str(p) for p in self.previous],
             "blocked_until_step": self.blocked_until_step,
             "fallback": {"armed": fb.armed, "falling": fb.falling, "last": fb.last},
+            "probe": self.probe,
+            "kappa_fit": vars(self.kappa_fit),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -231,6 +277,9 @@ class ConaPolicy(Policy):
         self.blocked_until_step = int(state["blocked_until_step"])
         fb = state["fallback"]
         self.fallback.armed, self.fallback.falling, self.fallback.last = fb["armed"], fb["falling"], fb["last"]
+        self.probe = [tuple(p) for p in state.get("probe", [])]
+        if "kappa_fit" in state:
+            self.kappa_fit = KappaFit(**state["kappa_fit"])
         self._searched_for = None
 
     def _log(self, row: dict[str, Any], cand: Any, why: str, switch: bool, **extra: Any) -> None:
@@ -242,6 +291,10 @@ class ConaPolicy(Policy):
             "switch": switch,
             "why": why,
             "switch_cost_s": round(self.switch_cost(), 3),
+            "kappa": round(self.kappa(), 4),
+            "kappa_interval": [round(self.kappa_fit.low, 4), round(self.kappa_fit.high, 4)]
+            if self.s.kappa == "auto"
+            else None,
         }
         if cand is not None:
             fields.update(candidate=cand.strategy.to_dict(), predicted_t=cand.time_s, predicted_t_std=cand.time_std)

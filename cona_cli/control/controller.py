@@ -17,6 +17,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.failures import Failure, failed_host, parse_failure
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict
+from cona_cli.control.standby import LOW_PRIORITY, Standby, standby_args
 from cona_cli.control.telemetry_server import TelemetryServer
+from cona_cli.control.tensorboard_log import TensorBoardLog
 from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy
 
@@ -57,16 +60,18 @@ class LaunchResult:
 
 
 class EventLog:
-    """Append-only events.jsonl."""
+    """Append-only events.jsonl; `on_write` also gets every event (TensorBoard)."""
 
-    def __init__(self, path: Path, run_start: float) -> None:
-        self.path, self.run_start = path, run_start
+    def __init__(self, path: Path, run_start: float, on_write: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.path, self.run_start, self.on_write = path, run_start, on_write
 
     def write(self, kind: str, **fields: Any) -> dict[str, Any]:
         now = time.time()
         event = {"kind": kind, "time": round(now - self.run_start, 4), "wall_clock": round(now, 3), **fields}
         with open(self.path, "a") as f:
             f.write(json.dumps(event) + "\n")
+        if self.on_write is not None:
+            self.on_write(event)
         return event
 
 
@@ -114,7 +119,8 @@ class Controller:
         self.resumed = resume is not None
         self.state = resume or RunState()
         self.run_start = time.time() - self.state.elapsed_s  # run time continues, the stopped gap excluded
-        self.events = EventLog(self.files.events, self.run_start)
+        self.tensorboard = TensorBoardLog(self.files.tensorboard) if cfg.train.tensorboard else None
+        self.events = EventLog(self.files.events, self.run_start, self.tensorboard.event if self.tensorboard else None)
         self.nodes = resolve_nodes(cfg.cluster)
         self.multi_node = is_multi_node(cfg.cluster)
         self.launcher = make_launcher(cfg.cluster)
@@ -133,6 +139,9 @@ class Controller:
         self.last_eval: dict[str, Any] = {}
         self._shapes: checkpoints.Shapes | None = None
         self._dirty = False  # the last drain changed something worth saving
+        self.standby: Standby | None = None  # the pre-warmed next launch, if one runs
+        self._exiting: list[tuple[Agent, threading.Thread]] = []  # a switched-from job still shutting down
+        self._switch: dict[str, float] = {}  # run times of the running switch's phases
 
     # -- public ------------------------------------------------------------------------------
 
@@ -152,7 +161,11 @@ class Controller:
             self.console.print(f"[red]cona: {e}[/red]")
             return self._exit(1, "failed", self.last_metric.get("step", 0))
         finally:
+            self._drop_standby()
+            self._reap_exiting()
             self.telemetry.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
 
     def _run(self, progress: Progress) -> int:
         ckpt: Path | None = None
@@ -223,6 +236,7 @@ class Controller:
 
     def _may_restart(self, result: LaunchResult, ckpt: Path | None) -> bool:
         """Record a failed launch; whether the restart budget allows another launch."""
+        self._switch = {}
         log_path = result.log_path
         text = log_path.read_text(errors="replace") if log_path.is_file() else ""
         failure = result.failure or parse_failure(text, result.returncode)
@@ -269,6 +283,10 @@ class Controller:
     ) -> tuple[LaunchResult, Stage | None]:
         self.launch += 1
         step = checkpoints.checkpoint_step(resume) if resume else 0
+        outcome_path = self.files.launch_outcome(self.launch)
+        outcome_path.unlink(missing_ok=True)  # a leftover of a launch the controller never saw
+        standby = self.standby
+        warm = standby is not None and standby.launch == self.launch and standby.alive()
         self.events.write(
             "launch",
             launch=self.launch,
@@ -276,31 +294,27 @@ class Controller:
             from_checkpoint=str(resume) if resume else None,
             step=step,
             reason=reason or stage.reason,
+            standby=warm,
         )
-        c = self.cfg.cluster
-        rdzv = rendezvous(c, self.nodes, f"cona-{self.telemetry.token[:8]}-{self.launch}") if self.multi_node else None
-        tail = worker_args(self.run_dir, stage, self.launch, resume)
-        env = {
-            **self.telemetry.env(),
-            "CONA_RUN_START": repr(self.run_start),
-            "OMP_NUM_THREADS": str(threads_per_proc(self.cfg)),
-            "PYTHONUNBUFFERED": "1",
-        }
-        outcome_path = self.files.launch_outcome(self.launch)
-        outcome_path.unlink(missing_ok=True)  # a leftover of a launch the controller never saw
-        agents = self.launcher.start(self.nodes, lambda node: torchrun_args(c, node, rdzv) + tail, env)
+        if warm:
+            standby.hand_over(self.files, stage, resume)
+            self.standby = None
+            self.state.standby_pids = []
+            agents, pumps = standby.agents, standby.pumps
+        else:
+            self._drop_standby()
+            agents, pumps = self._start(self.launch, worker_args(self.run_dir, stage, self.launch, resume))
+        self._switch.update(handover=time.time() - self.run_start, standby=warm)
         self.state.agent_pids = [a.pid for a in agents]
         self._save_state(stage, prev)
-        per_node = len(agents) > 1  # one log per node, lines shown prefixed by the node
-        pumps = [
-            threading.Thread(target=self._pump, args=(a, self._log_path(a, per_node), per_node), daemon=True)
-            for a in agents
-        ]
-        for pump in pumps:
-            pump.start()
-        requested, failed = self._follow(agents, stage, prev, progress)
-        for pump in pumps:
-            pump.join(timeout=5)
+        per_node = len(agents) > 1
+        requested, failed, exiting = self._follow(agents, stage, prev, progress, outcome_path)
+        self._switch["outcome"] = time.time() - self.run_start
+        if exiting:  # handed over before the old job finished exiting: it ends in the background
+            self._exiting += list(zip(agents, pumps))
+        else:
+            for pump in pumps:
+                pump.join(timeout=5)
         outcome = json.loads(outcome_path.read_text()) if outcome_path.is_file() else None
         self._drain(stage, prev, progress)
         self._save_state(stage, prev)
@@ -312,6 +326,95 @@ class Controller:
         ]
         agent, path, failure = next((r for r in parsed if not r[2].knock_on), parsed[0])
         return LaunchResult(failure.exit_code, outcome, agent, failure, path), requested
+
+    def _start(self, launch: int, tail: list[str], standby: bool = False) -> tuple[list[Agent], list[threading.Thread]]:
+        """Start torchrun on every node (its own rendezvous) running `tail`; its output pumped to the
+        launch's logs. A standby's agents run at low priority."""
+        c = self.cfg.cluster
+        rdzv = rendezvous(c, self.nodes, f"cona-{self.telemetry.token[:8]}-{launch}") if self.multi_node else None
+        env = {
+            **self.telemetry.env(),
+            "CONA_RUN_START": repr(self.run_start),
+            "OMP_NUM_THREADS": str(threads_per_proc(self.cfg)),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if c.launcher == "local":
+            env["CONA_CONTROLLER_PID"] = str(os.getpid())  # a standby leaves when the controller is gone
+        prefix = LOW_PRIORITY if standby else []
+        agents = self.launcher.start(self.nodes, lambda node: prefix + torchrun_args(c, node, rdzv) + tail, env)
+        per_node = len(agents) > 1  # one log per node, lines shown prefixed by the node
+        pumps = [
+            threading.Thread(
+                target=self._pump,
+                args=(a, self.files.launch_log(launch, a.label if per_node else None), per_node),
+                daemon=True,
+            )
+            for a in agents
+        ]
+        for pump in pumps:
+            pump.start()
+        return agents, pumps
+
+    def _maybe_start_standby(self) -> None:
+        """Once a launch is stepping, pre-warm the next one if a switch may come."""
+        if self.standby is not None or not self.cfg.cluster.standby or not self.policy.may_switch():
+            return
+        launch = self.launch + 1
+        self.files.handover(launch).unlink(missing_ok=True)
+        self.files.standby_ready(launch).unlink(missing_ok=True)
+        agents, pumps = self._start(launch, standby_args(self.run_dir, launch), standby=True)
+        self.standby = Standby(launch, agents, pumps)
+        self.state.standby_pids = [a.pid for a in agents]
+        self.events.write("standby", launch=launch)
+
+    def _switch_phases(self, first_step: dict[str, Any], outcome: dict[str, Any]) -> dict[str, Any]:
+        """Where a switch's time went, from the decision (or the stage's last step) to the end of the
+        first step under the new layout; `standby` says whether a pre-warmed job took over."""
+        p = self._switch
+        decided = p.get("decision", outcome["time"])
+        phases = {"stop": p.get("outcome", p["handover"]) - decided, "save": p.get("save_s")}
+        phases["hand_over"] = p["handover"] - p.get("outcome", p["handover"])
+        if "ready" in p:
+            phases["start"] = p["ready"] - p["load_s"] - p["handover"]
+            phases["load"] = p["load_s"]
+        phases["first_step"] = first_step["iter_s"]
+        rounded = {k: round(v, 4) for k, v in phases.items() if v is not None}
+        self._switch = {}
+        return {
+            "phases": rounded,
+            "decision_to_first_step_s": round(first_step["time"] - decided, 4),
+            "standby": p.get("standby", False),
+        }
+
+    def _switch_committed(self, outcome_path: Path, requested: Stage | None) -> bool:
+        """Whether the running job has saved the checkpoint the next launch starts from, a live standby
+        waits for it, and this job's devices need not be freed first (CPU ranks; GPU memory must be)."""
+        if self.signal_received is not None or self.standby is None or not outcome_path.is_file():
+            return False
+        if self.cfg.cluster.backend == "nccl" or not self.standby.alive():
+            return False
+        try:
+            reason = json.loads(outcome_path.read_text())["reason"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return reason == "stage_end" or (reason == "command" and requested is not None)
+
+    def _drop_standby(self) -> None:
+        if self.standby is not None:
+            self.standby.cancel(self.files)
+            self.standby = None
+            self.state.standby_pids = []
+
+    def _reap_exiting(self) -> None:
+        """Wait for switched-from jobs that were still shutting down (killed after a grace period)."""
+        deadline = time.monotonic() + KILL_WAIT_S
+        for agent, pump in self._exiting:
+            while agent.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if agent.poll() is None:
+                agent.signal(signal.SIGKILL)
+            pump.join(timeout=5)
+        self._exiting = []
 
     def _log_path(self, agent: Agent, per_node: bool) -> Path:
         return self.files.launch_log(self.launch, agent.label if per_node else None)
@@ -327,10 +430,12 @@ class Controller:
                     self.console.print(text, markup=False, highlight=False)
 
     def _follow(
-        self, agents: list[Agent], stage: Stage, prev: Prev | None, progress: Progress
-    ) -> tuple[Stage | None, list[Agent]]:
+        self, agents: list[Agent], stage: Stage, prev: Prev | None, progress: Progress, outcome_path: Path
+    ) -> tuple[Stage | None, list[Agent], bool]:
         """Wait for every node's agent to end, handling telemetry, switch requests and signals.
-        Returns the stage requested by the policy and the agents that failed, in the order seen."""
+        Returns the stage requested by the policy, the agents that failed, in the order seen, and
+        whether it returned early: the job committed its switch checkpoint and a standby can take over
+        while it exits."""
         requested: Stage | None = None
         stop_sent_at: float | None = None
         failed: list[Agent] = []
@@ -339,15 +444,22 @@ class Controller:
         while True:
             failed += [a for a in agents if a.poll() not in (None, 0) and a not in failed]
             if all(a.poll() is not None for a in agents):
-                return requested, failed
+                return requested, failed, False
+            if not failed and self._switch_committed(outcome_path, requested):
+                return requested, failed, True
+            if self.standby is not None and self.standby.newly_ready(self.files):
+                self.events.write("standby_ready", launch=self.standby.launch)
             switch_to = self._drain(stage, prev, progress, wait=0.2)
             if self._dirty:
                 self._save_state(stage, prev)
             if switch_to is not None and requested is None:
                 requested = switch_to
+                self._switch = {"decision": time.time() - self.run_start}
             wants_stop = requested is not None or self.signal_received is not None or failed
             if wants_stop and stop_sent_at is None:
-                if failed or not self.telemetry.send({"cmd": "checkpoint_and_exit"}):
+                # For a switch the workers skip the evaluation that ends a run.
+                stop = {"cmd": "checkpoint_and_exit", "switch": self.signal_received is None}
+                if failed or not self.telemetry.send(stop):
                     for a in agents:  # no telemetry, or a node is gone: workers checkpoint on SIGTERM if they can
                         a.signal(signal.SIGTERM)
                 stop_sent_at = time.monotonic()
@@ -378,10 +490,17 @@ class Controller:
 
     def _handle(self, msg: dict[str, Any], stage: Stage, prev: Prev | None, progress: Progress) -> Stage | None:
         kind = msg.get("type")
+        if kind == "metric" and self.tensorboard is not None:
+            self.tensorboard.metric(msg)
+        if kind == "ready" and msg.get("launch") == self.launch:
+            self._switch.update(ready=float(msg["time"]), load_s=float(msg.get("setup_s", 0.0)))
+        if kind == "checkpoint" and msg.get("reason") == "switch":
+            self._switch["save_s"] = float(msg["seconds"])
         if kind == "checkpoint":
             self.events.write("checkpoint", **{k: msg.get(k) for k in ("step", "path", "seconds", "bytes", "reason")})
         elif kind == "metric" and msg.get("kind") == "eval":
             self.last_eval = msg
+            self.policy.on_eval(msg)
         elif kind == "metric" and msg.get("kind") == "step":
             first_of_launch = self.last_metric.get("launch") != msg.get("launch")
             self.last_metric, self._dirty = msg, True
@@ -393,9 +512,12 @@ class Controller:
                     to=stage.strategy.to_dict(),
                     reason=stage.reason,
                     seconds=round(seconds, 4),
+                    **self._switch_phases(msg, prev[1]),
                     **{"from": prev[0].to_dict()},
                 )
                 self.policy.observe_switch(seconds)
+            if msg.get("launch") == self.launch:
+                self._maybe_start_standby()
             self._show(progress, stage)
             return self.policy.on_metric(msg)
         return None

@@ -43,6 +43,13 @@ class Policy:
         """A step row arrived; return a stage to switch to now, or None to keep going."""
         return None
 
+    def may_switch(self) -> bool:
+        """Whether a later stage may follow the running one (worth pre-warming a standby job)."""
+        return False
+
+    def on_eval(self, row: dict[str, Any]) -> None:
+        """An evaluation row arrived (validation loss on the fixed probe set)."""
+
     def observe_switch(self, seconds: float) -> None:
         """A switch just cost `seconds` (checkpoint, exit, relaunch, load)."""
 
@@ -94,6 +101,9 @@ class ChainPolicy(Policy):
 
     def first(self) -> Stage:
         return self.stages[self.position]
+
+    def may_switch(self) -> bool:
+        return self.position < len(self.stages) - 1
 
     def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
         return self._stage_at(outcome["step"])

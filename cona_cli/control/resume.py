@@ -110,6 +110,9 @@ def prepare_resume(
     for key in ("train_path", "valid_path"):
         if not Path(corpus[key]).is_file():
             raise ConfigError(f"--resume: corpus file {corpus[key]} is gone (cache cleared?); cannot continue")
+    for pgid in state.standby_pids:  # a pre-warmed job holds nothing worth waiting for
+        wait_for_group(pgid, 0.0)
+    state.standby_pids = []
     for pgid in state.agent_pids:  # an orphaned job may still be checkpointing
         wait_for_group(pgid, INTERRUPT_GRACE_S)
     root = run.checkpoints

@@ -48,6 +48,7 @@ class RunState:
     failures: list[float] = field(default_factory=list)  # run times of failed launches
     prev: dict[str, Any] | None = None  # {"strategy", "outcome"} of the last launch that ended normally
     agent_pids: list[int] = field(default_factory=list)  # process groups of the last launch's node agents
+    standby_pids: list[int] = field(default_factory=list)  # process groups of a pre-warmed standby's agents
     policy: dict[str, Any] = field(default_factory=dict)
 
     def save(self, run_dir: Path) -> None:

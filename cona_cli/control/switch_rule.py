@@ -38,10 +38,12 @@ def decide(
     switch_cost_s: float,
     horizon_s: float,
     margin: float,
+    kappa: float = 1.0,
 ) -> Decision:
-    """Compare the running strategy (measured T) with a candidate (predicted T) at the current GNS."""
-    phi_cur = float(phi(gbs, t_current, gns))
-    phi_new = float(phi(gbs_candidate, t_candidate, gns))
+    """Compare the running strategy (measured T) with a candidate (predicted T) at the current GNS
+    (scaled by κ, the optimizer's noise-scale multiplier)."""
+    phi_cur = float(phi(gbs, t_current, gns, kappa))
+    phi_new = float(phi(gbs_candidate, t_candidate, gns, kappa))
     ratio = phi_new / phi_cur
     needed = needed_ratio(switch_cost_s, horizon_s, margin)
     if ratio > needed:

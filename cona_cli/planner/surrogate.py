@@ -14,9 +14,9 @@ import numpy as np
 Number = float | np.ndarray
 
 
-def phi(gbs: Number, seconds: Number, gns: Number) -> Number:
-    """Progress per second: (gbs / T) / (gbs + GNS)."""
-    return (gbs / seconds) / (gbs + gns)
+def phi(gbs: Number, seconds: Number, gns: Number, kappa: float = 1.0) -> Number:
+    """Progress per second: (gbs / T) / (gbs + κ·GNS); κ = 1 is the paper's Φ (see planner.kappa)."""
+    return (gbs / seconds) / (gbs + kappa * gns)
 
 
 def crossover_gns(gbs_small: float, t_small: float, gbs_large: float, t_large: float) -> float:

@@ -1,0 +1,72 @@
+"""Pre-warmed standby jobs: the next launch, started while the current one trains.
+
+A standby is a torchrun job of the same world size and launcher (its own rendezvous) whose ranks run
+`launch.standby`: they import torch and the worker at idle priority with one thread, then wait for
+`RUN/launches/NNN.handover.json`. On a switch the controller writes the strategy, the committed
+checkpoint and the stop step there; the ranks then build mesh and model, load and step, as a cold
+launch would, minus torchrun's and Python's start-up (about 13 of a cold switch's 14 s on 2 cores).
+A standby that died or was never started is simply not used: the launch starts cold.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cona_cli.cluster.launchers import Agent
+from cona_cli.control.policies import Stage
+from cona_cli.control.runstate import write_atomic
+from cona_cli.rundir import RunDir
+
+LOW_PRIORITY = ["nice", "-n", "19"]  # the standby's torchrun agent; its ranks go to idle scheduling themselves
+
+
+def standby_args(run_dir: Path, launch: int) -> list[str]:
+    """What torchrun runs on every rank of a standby that may become launch `launch`."""
+    return ["-m", "launch.standby", "--run-dir", str(run_dir.absolute()), "--launch", str(launch)]
+
+
+@dataclass
+class Standby:
+    """A started standby job: the launch number it will take and its node agents."""
+
+    launch: int
+    agents: list[Agent]
+    pumps: list[threading.Thread] = field(default_factory=list)
+    handed_over: bool = False
+    ready_logged: bool = False
+
+    def newly_ready(self, run: RunDir) -> bool:
+        """True once, when rank 0 says its imports are done."""
+        if self.ready_logged or not run.standby_ready(self.launch).is_file():
+            return False
+        self.ready_logged = True
+        return True
+
+    def alive(self) -> bool:
+        return all(a.poll() is None for a in self.agents)
+
+    def hand_over(self, run: RunDir, stage: Stage, resume: Path | None) -> None:
+        """Give the waiting ranks their launch: strategy, checkpoint, stop step."""
+        doc = {
+            "strategy": str(stage.strategy),
+            "resume": str(resume.absolute()) if resume else None,
+            "stop_step": stage.stop_step,
+        }
+        write_atomic(run.handover(self.launch), json.dumps(doc))
+        self.handed_over = True
+
+    def cancel(self, run: RunDir) -> None:
+        """Tell the ranks to leave, and stop the agents (a standby holds no state worth saving)."""
+        import signal
+
+        if not self.handed_over:
+            write_atomic(run.handover(self.launch), json.dumps({"cancel": True}))
+        for agent in self.agents:
+            agent.signal(signal.SIGKILL)
+        for pump in self.pumps:
+            pump.join(timeout=5)
+        run.handover(self.launch).unlink(missing_ok=True)
+        run.standby_ready(self.launch).unlink(missing_ok=True)

@@ -1,0 +1,129 @@
+"""Pre-warmed standby jobs: a switch hands the next launch to a waiting torchrun job and training
+continues exactly as after a cold relaunch; a dead standby falls back to a cold relaunch; a killed
+controller's standby does not outlive it and `--resume` still works."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO, TINY, write_config
+
+pytestmark = pytest.mark.e2e
+
+FIRST, STEPS = 24, 30
+DOC = {
+    **TINY,
+    "cluster": {"procs_per_node": 2},
+    "train": {**TINY["train"], "max_steps": STEPS},
+    "chain": [
+        {"dp": 2, "tp": 1, "pp": 1, "mbs": 2, "gbs": 16, "steps": FIRST},
+        {"dp": 1, "tp": 2, "pp": 1, "mbs": 2, "gbs": 16},
+    ],
+}
+DOC.pop("strategy")
+
+
+def _cona(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from cona_cli.app import main; main()", *args]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _events(run: Path, kind: str) -> list[dict]:
+    path = run / "events.jsonl"
+    return [e for e in _rows(path) if e["kind"] == kind] if path.is_file() else []
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _rows(run / "metrics.jsonl") if r["kind"] == "step"}
+
+
+def _start(tmp: Path, name: str, doc: dict) -> tuple[subprocess.Popen, Path]:
+    cfg = write_config(tmp / f"{name}.yaml", doc)
+    run = tmp / name
+    proc = subprocess.Popen(
+        _cona("train", str(cfg), "--run-dir", str(run)),
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    return proc, run
+
+
+def _wait_for(predicate, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_switch_hands_over_to_the_standby_and_continues_exactly(tmp_path: Path) -> None:
+    warm, warm_run = _start(tmp_path, "warm", DOC)
+    assert warm.wait(timeout=240) == 0, warm.stderr.read()[-3000:]
+    cold, cold_run = _start(tmp_path, "cold", {**DOC, "cluster": {**DOC["cluster"], "standby": False}})
+    assert cold.wait(timeout=240) == 0, cold.stderr.read()[-3000:]
+
+    (switch,) = _events(warm_run, "switch")
+    assert switch["standby"] is True and switch["step"] == FIRST
+    assert {"stop", "save", "hand_over", "start", "load", "first_step"} <= set(switch["phases"])
+    assert switch["decision_to_first_step_s"] > 0
+    assert [e["standby"] for e in _events(warm_run, "launch")] == [False, True]
+    assert _events(cold_run, "standby") == [] and _events(cold_run, "switch")[0]["standby"] is False
+    warm_losses, cold_losses = _losses(warm_run), _losses(cold_run)
+    assert sorted(warm_losses) == list(range(1, STEPS + 1))
+    assert max(abs(warm_losses[s] - cold_losses[s]) for s in warm_losses) < 1e-6
+
+
+def test_a_dead_standby_falls_back_to_a_cold_relaunch(tmp_path: Path) -> None:
+    doc = {
+        **DOC,
+        "chain": [{**DOC["chain"][0], "steps": 200}, DOC["chain"][1]],
+        "train": {**DOC["train"], "max_steps": 204},
+    }
+    proc, run = _start(tmp_path, "run", doc)
+    _wait_for(lambda: _events(run, "standby") != [])
+    _wait_for(lambda: json.loads((run / "controller_state.json").read_text()).get("standby_pids"))
+    for pgid in json.loads((run / "controller_state.json").read_text())["standby_pids"]:
+        os.killpg(pgid, signal.SIGKILL)
+    assert proc.wait(timeout=240) == 0, proc.stderr.read()[-3000:]
+    launches = _events(run, "launch")
+    assert [e["launch"] for e in launches] == [1, 2] and launches[1]["standby"] is False
+    assert max(_losses(run)) == 204
+
+
+def test_a_killed_controllers_standby_goes_and_resume_finishes(tmp_path: Path) -> None:
+    doc = {
+        **DOC,
+        "chain": [{**DOC["chain"][0], "steps": 200}, DOC["chain"][1]],
+        "train": {**DOC["train"], "max_steps": 204, "checkpoint_interval": 10},
+    }
+    proc, run = _start(tmp_path, "run", doc)
+    _wait_for(lambda: _events(run, "standby_ready") != [], timeout=180)
+    state = json.loads((run / "controller_state.json").read_text())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    _wait_for(lambda: not any(_group_alive(p) for p in state["standby_pids"]), timeout=30)
+    resumed = subprocess.run(
+        _cona("train", "--resume", str(run)), cwd=REPO, text=True, capture_output=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert max(_losses(run)) == 204 and _events(run, "exit")[-1]["reason"] == "max_steps"
