@@ -1,0 +1,90 @@
+"""Fit κ (Φ_κ's multiplier on GNS) from fixed-batch runs, and check it: predicted vs measured tokens.
+
+Each run folder is one fixed global batch (e.g. bench_ttp.py's static-<gbs> runs, same seed). The
+probe loss is the run's validation loss on its fixed slice; the GNS in force before each evaluation
+is the last smoothed GNS of the step rows. Prints κ with its 95% interval (cona_cli.planner.kappa),
+then, per target perplexity, the tokens each run needed relative to the smallest batch, against what
+Φ_κ predicts from the smallest batch's run (equal loss at equal efficiency clock), at κ = 1 and at
+the fitted κ. Put the fitted value in `search.kappa` to use it.
+
+    python scripts/fit_kappa.py RUN_DIR RUN_DIR RUN_DIR [--targets 600,400,300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from cona_cli.planner.kappa import Curve, efficiency_clock, fit_kappa  # noqa: E402
+from cona_cli.report.runlog import RunLog, read_run  # noqa: E402
+
+
+def curve(log: RunLog) -> Curve:
+    steps = sorted(log.steps, key=lambda s: s.time)
+    rows = []
+    for e in log.evals:
+        before = [s for s in steps if s.time <= e.time and s.gns is not None]
+        if before and e.consumed_samples and e.val_loss is not None:
+            rows.append((e.consumed_samples, e.val_loss, before[-1].strategy.gbs, before[-1].gns))
+    samples, loss, gbs, gns = (np.array(col, dtype=float) for col in zip(*rows))
+    return Curve(samples, loss, gbs, gns)
+
+
+def samples_to(c: Curve, loss: float) -> float | None:
+    """Samples at which the curve first reaches `loss` (linear between evaluations)."""
+    for i in range(1, len(c.loss)):
+        if c.loss[i] <= loss < c.loss[i - 1]:
+            f = (c.loss[i - 1] - loss) / (c.loss[i - 1] - c.loss[i])
+            return float(c.samples[i - 1] + f * (c.samples[i] - c.samples[i - 1]))
+    return None
+
+
+def predicted_samples(base: Curve, other: Curve, loss: float, kappa: float) -> float | None:
+    """Samples `other` needs to reach the clock at which `base` reached `loss`."""
+    n = samples_to(base, loss)
+    if n is None:
+        return None
+    target_m = float(np.interp(n, base.samples, efficiency_clock(base, kappa)))
+    m = efficiency_clock(other, kappa)
+    if m[-1] < target_m:
+        return None
+    return float(np.interp(target_m, m, other.samples))
+
+
+def _ratio(n: float | None, base: float | None) -> str:
+    return f"{n / base:.3f}" if n is not None and base else "-"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--targets", default="600,400,300")
+    args = ap.parse_args()
+    curves = sorted((curve(read_run(r)) for r in args.runs), key=lambda c: c.gbs[0])
+    fit = fit_kappa(curves)
+    print(
+        f"kappa {fit.kappa:.3g} (best fit {fit.best:.3g}, 95% interval {fit.low:.3g}–{fit.high:.3g}, "
+        f"log-likelihood gain over kappa=1: {fit.evidence:.1f})"
+    )
+    base = curves[0]
+    print(f"\ntokens to target relative to gbs {int(base.gbs[0])}: measured | predicted at kappa=1 | at the fit")
+    for t in (float(x) for x in args.targets.split(",")):
+        loss = math.log(t)
+        n0 = samples_to(base, loss)
+        cells = []
+        for c in curves[1:]:
+            n = samples_to(c, loss)
+            p1, pk = predicted_samples(base, c, loss, 1.0), predicted_samples(base, c, loss, fit.best)
+            cells.append(f"gbs {int(c.gbs[0])}: {_ratio(n, n0)} | {_ratio(p1, n0)} | {_ratio(pk, n0)}")
+        print(f"ppl {t:g}: " + "; ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
