@@ -1,9 +1,10 @@
-"""The `cona` command line: train, search, report."""
+"""The `cona` command line: train, search, report, export."""
 
 from __future__ import annotations
 
 import typer
 
+from cona_cli.commands.export_command import export_command
 from cona_cli.commands.report_command import report_command
 from cona_cli.commands.search_command import search_command
 from cona_cli.commands.train_command import train_command
@@ -16,6 +17,7 @@ app = typer.Typer(
 app.command("search")(search_command)
 app.command("train")(train_command)
 app.command("report")(report_command)
+app.command("export")(export_command)
 
 
 def main() -> None:

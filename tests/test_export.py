@@ -1,0 +1,130 @@
+"""`cona export` on a real run that trained under TP, then PP: transformers loads the Hugging Face folder
+and its logits equal cona's, the torch file is the checkpoint, and a bad request writes nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.support import REPO, TINY, write_config
+
+pytestmark = pytest.mark.e2e
+
+CHAIN = [
+    {"dp": 2, "tp": 2, "pp": 1, "mbs": 2, "gbs": 8, "steps": 2},
+    {"dp": 2, "tp": 1, "pp": 2, "mbs": 2, "gbs": 8, "steps": 2},
+]
+MODEL = {"llama": {"n_kv_heads": 2}}  # per-family additions to the tiny model (GQA for llama)
+
+
+def _families() -> list[str]:
+    from launch.models import FAMILY_MODULES, get_spec
+
+    return [f for f in FAMILY_MODULES if get_spec(f).hf is not None]
+
+
+def _cona(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", "from cona_cli.app import main; main()", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The run folder of a family, trained on first use: 2 steps under dp2-tp2, then 2 under dp2-pp2."""
+    runs: dict[str, Path] = {}
+
+    def run(family: str) -> Path:
+        if family not in runs:
+            base = tmp_path_factory.mktemp(f"run-{family}")
+            model = {**TINY["model"], "family": family, **MODEL.get(family, {})}
+            doc = {**TINY, "model": model, "strategy": None, "train": {**TINY["train"], "max_steps": None}}
+            cfg = write_config(base / "tiny.yaml", doc)
+            (base / "chain.yaml").write_text(yaml.safe_dump({"chain": CHAIN}))
+            proc = _cona("train", str(cfg), "--chain", str(base / "chain.yaml"), "--run-dir", str(base / "run"))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[family] = base / "run"
+        return runs[family]
+
+    return run
+
+
+def _cona_logits(out: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """cona's own model, rebuilt from the torch export."""
+    from cona_cli.config import ModelConfig
+    from launch.models import get_spec
+
+    meta = json.loads((out / "cona.json").read_text())
+    model = get_spec(meta["family"]).build(ModelConfig(**meta["model"]), meta["vocab_size"])
+    model.load_state_dict(torch.load(out / "model.pt"))
+    return model.eval()(tokens)
+
+
+@pytest.mark.parametrize("family", _families())
+def test_hf_export_matches_cona(family: str, trained: Callable[[str], Path], tmp_path: Path) -> None:
+    import transformers
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from launch.models import get_spec
+
+    run = trained(family)
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if r["kind"] == "eval"] == [0, 4]  # the run's end is evaluated
+    for fmt in ("torch", "hf"):
+        proc = _cona("export", str(run), "--format", fmt, "--out", str(tmp_path / fmt))
+        assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "torch"]  # no temporary folder left
+
+    # The torch file is the newest checkpoint, consolidated from its (dp2, pp2) shards.
+    ckpt = run / "checkpoints" / "step_000004"
+    saved = _load_state_dict_from_keys({"model"}, checkpoint_id=str(ckpt))["model"]
+    exported = torch.load(tmp_path / "torch" / "model.pt")
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    assert json.loads((tmp_path / "torch" / "cona.json").read_text())["step"] == 4
+
+    hf = get_spec(family).hf
+    model = getattr(transformers, hf.architecture).from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    vocab = json.loads((run / "corpus.json").read_text())["vocab_size"]
+    tokens = torch.randint(0, vocab, (2, TINY["model"]["seq_len"]), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = _cona_logits(tmp_path / "torch", tokens)
+        theirs = model.eval()(input_ids=tokens).logits
+    diff = (ours - theirs).abs().max().item()
+    print(f"{family}: max |logit diff| {diff:.3g}")
+    assert diff < 1e-4
+
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path / "hf")
+    text = "tha brou, kai.\n"
+    assert tok(text)["input_ids"] == list(text.encode())  # the byte-level run: one id per byte
+    assert tok.decode(list(text.encode())) == text
+
+
+def test_export_refuses_and_writes_nothing(trained: Callable[[str], Path], tmp_path: Path) -> None:
+    run = trained("gpt")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    broken = tmp_path / "broken"
+    shutil.copytree(run, broken)
+    for marker in (broken / "checkpoints").glob("step_*/COMMITTED"):
+        marker.unlink()
+    cases = {
+        "exists and is not an empty folder": (run, ["--format", "torch", "--out", str(full)]),
+        "--step 3: no checkpoint of that step": (run, ["--format", "hf", "--step", "3", "--out", str(tmp_path / "a")]),
+        "no usable checkpoint": (broken, ["--format", "torch", "--out", str(tmp_path / "b")]),
+        "not a run folder": (full, ["--format", "torch", "--out", str(tmp_path / "c")]),
+        "--format: must be one of hf, torch": (run, ["--format", "onnx", "--out", str(tmp_path / "d")]),
+    }
+    for message, (folder, args) in cases.items():
+        proc = _cona("export", str(folder), *args)
+        assert proc.returncode == 2 and message in proc.stderr, (message, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "full"]
+    assert [p.name for p in full.iterdir()] == ["x"]
