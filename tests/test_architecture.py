@@ -142,3 +142,30 @@ def test_the_registry_serves_every_family_the_config_accepts() -> None:
     for family in MODEL_FAMILIES:
         spec = get_spec(family)
         assert spec.family == family and spec.shape is SHAPES[family]
+
+
+def test_a_built_wheel_carries_the_hardware_profiles(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(REPO),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("cona-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = {Path(n).name for n in names if n.startswith("cona_cli/planner/profiles/")}
+    assert {p.name for p in (REPO / "cona_cli" / "planner" / "profiles").glob("*.yaml")} <= shipped
