@@ -257,7 +257,8 @@ class SearchConfig:
     # online controller (policy: cona)
     margin: float = _f(0.05, _non_negative)  # Φ ratio must exceed 1 + margin
     horizon_s: float = _f(120.0, _positive)  # a switch must pay back its cost within this time
-    switch_cost_s: float = _f(15.0, _non_negative)  # initial estimate, replaced by measured switches
+    switch_cost_s: float = _f(15.0, _non_negative)  # initial estimate of a cold relaunch, replaced by measured ones
+    warm_switch_cost_s: float = _f(2.0, _non_negative)  # the same for a hand-over to a ready standby
     decision_every: int = _f(5, _positive)  # steps between decisions
     min_steps: int = _f(5, _positive)  # timed steps of a strategy before deciding
     fallback: bool = _f(True)

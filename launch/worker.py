@@ -51,7 +51,7 @@ from launch.optimizer import adamw
 from launch.parallelize import ParallelModel, build_mesh, parallelize
 from launch.telemetry_client import TelemetryClient
 
-_STOP_COMMAND, _STOP_TIME = 1.0, 2.0
+_STOP_COMMAND, _STOP_TIME, _STOP_SWITCH = 1.0, 2.0, 3.0
 
 
 @dataclass
@@ -77,6 +77,12 @@ class StepOut(NamedTuple):
     memory: dict[str, Any]  # peak memory (max over ranks) and the planner's estimate
 
 
+def out_of_memory_line(rank: int, strategy: Strategy, peak: int, e: BaseException) -> str:
+    """What an out-of-memory rank says last (`cona_cli.control.failures` reads the strategy and the peak)."""
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"cona-worker rank {rank}: out of memory under {strategy}: peak {peak} bytes ({type(e).__name__}: {first})"
+
+
 @contextmanager
 def exit_on_out_of_memory(strategy: Strategy, device: torch.device) -> Iterator[None]:
     """An out-of-memory error ends the rank with `OUT_OF_MEMORY_EXIT` and one line naming the strategy and
@@ -86,13 +92,8 @@ def exit_on_out_of_memory(strategy: Strategy, device: torch.device) -> Iterator[
     except Exception as e:
         if not is_out_of_memory(e):
             raise
-        peak = int(peak_memory(device)[0])
-        rank = dist.get_rank()
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         print(
-            f"cona-worker rank {rank}: out of memory under {strategy}: peak {peak} bytes ({type(e).__name__}: {first})",
-            file=sys.stderr,
-            flush=True,
+            out_of_memory_line(dist.get_rank(), strategy, int(peak_memory(device)[0]), e), file=sys.stderr, flush=True
         )
         sys.stdout.flush()
         os._exit(OUT_OF_MEMORY_EXIT)  # not sys.exit: the other ranks wait in collectives that will never complete
@@ -259,7 +260,8 @@ class Worker:
         # Rank 0 decides time- and command-driven stops, evaluations and checkpoints for everyone.
         stop = 0.0
         if self.rank == 0:
-            stop = _STOP_COMMAND if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
+            command = _STOP_SWITCH if self.switch_requested else _STOP_COMMAND
+            stop = command if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
         loss_total, grad_sq, small_sq, stop_code, eval_votes, ckpt_votes, *slots = self._reduce(
             [
                 loss_sum if self._counts_loss() else 0.0,
@@ -278,7 +280,8 @@ class Worker:
         self.opt.step()
         st.step += 1
         st.consumed_samples += s.gbs
-        stop_reason = {_STOP_COMMAND: "command", _STOP_TIME: "max_time"}.get(stop_code)
+        stop_reason = {_STOP_COMMAND: "command", _STOP_SWITCH: "command", _STOP_TIME: "max_time"}.get(stop_code)
+        self.switch_requested = stop_code == _STOP_SWITCH  # every rank learns it: ends_run() must agree
         return StepOut(
             loss_total / (s.dp * s.n_microbatches),
             grad_norm,

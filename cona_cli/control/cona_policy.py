@@ -49,9 +49,11 @@ class ConaPolicy(Policy):
         self.cfg, self.hw, self.s = cfg, hw, cfg.search
         self.ladder = gbs_ladder(cfg)
         self.space = enumerate_space(cfg, hw, self.ladder)
+        self.out_of_memory: set[Strategy] = set()  # strategies that ran out of memory in this run
         self.workload = Workload.from_config(cfg)
         self.samples: dict[Strategy, list[float]] = {}  # measured s/iter of strategies that ran
-        self.switch_costs: list[float] = []
+        self.switch_costs: list[float] = []  # measured cold relaunches
+        self.warm_switch_costs: list[float] = []  # measured hand-overs to a ready standby
         self.fallback = FallbackMonitor(self.s.fallback_patience)
         self.previous: list[Strategy] = []  # strategies of the lower rungs we climbed from
         self.blocked_until_step = 0  # after a fallback, no climbing for a patience window
@@ -144,12 +146,14 @@ class ConaPolicy(Policy):
         return thread
 
     def switch_cost(self) -> float:
-        if not self.switch_costs:
-            return self.s.switch_cost_s
-        return statistics.median(self.switch_costs)
+        """The median of measured switches of the kind that would happen now: with a ready standby
+        (warm) or a cold relaunch; the configured estimates until one was measured."""
+        if self.standby_ready:
+            return statistics.median(self.warm_switch_costs) if self.warm_switch_costs else self.s.warm_switch_cost_s
+        return statistics.median(self.switch_costs) if self.switch_costs else self.s.switch_cost_s
 
-    def observe_switch(self, seconds: float) -> None:
-        self.switch_costs.append(seconds)
+    def observe_switch(self, seconds: float, warm: bool = False) -> None:
+        (self.warm_switch_costs if warm else self.switch_costs).append(seconds)
 
     def on_metric(self, row: dict[str, Any]) -> Stage | None:
         if row.get("launch") != self._launch:
@@ -252,6 +256,21 @@ class ConaPolicy(Policy):
         self._searched_for = None  # a new frontier: search again once the new strategy is measured
         return requested
 
+    def infeasible(self, strategy: Strategy) -> Stage | None:
+        """Drop a strategy that ran out of memory from the space; continue with the best one left at the
+        running rung (None if none is left)."""
+        self.out_of_memory.add(strategy)
+        self.space = self.space.without(self.out_of_memory, "ran out of memory")
+        self.previous = [p for p in self.previous if p != strategy]
+        with self._lock:
+            self._results.clear()
+        self._searched_for = None
+        best = self._search_now(self.current.strategy.gbs).best
+        if best is None:
+            return None
+        self.current = Stage(best.strategy, None, "out_of_memory")
+        return self.current
+
     def state_dict(self) -> dict[str, Any]:
         """Ladder position, calibration samples, switch costs and fallback state (for --resume)."""
         fb = self.fallback
@@ -260,11 +279,13 @@ class ConaPolicy(Policy):
             "reason": self.current.reason,
             "samples": {str(k): v for k, v in self.samples.items()},
             "switch_costs": self.switch_costs,
+            "warm_switch_costs": self.warm_switch_costs,
             "previous": [str(p) for p in self.previous],
             "blocked_until_step": self.blocked_until_step,
             "fallback": {"armed": fb.armed, "falling": fb.falling, "last": fb.last},
             "probe": self.probe,
             "kappa_fit": vars(self.kappa_fit),
+            "out_of_memory": sorted(str(s) for s in self.out_of_memory),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -273,6 +294,7 @@ class ConaPolicy(Policy):
         self.current = Stage(Strategy.parse(state["current"]), None, state["reason"])
         self.samples = {Strategy.parse(k): list(v) for k, v in state["samples"].items()}
         self.switch_costs = list(state["switch_costs"])
+        self.warm_switch_costs = list(state.get("warm_switch_costs", []))
         self.previous = [Strategy.parse(p) for p in state["previous"]]
         self.blocked_until_step = int(state["blocked_until_step"])
         fb = state["fallback"]
@@ -280,6 +302,8 @@ class ConaPolicy(Policy):
         self.probe = [tuple(p) for p in state.get("probe", [])]
         if "kappa_fit" in state:
             self.kappa_fit = KappaFit(**state["kappa_fit"])
+        self.out_of_memory = {Strategy.parse(s) for s in state.get("out_of_memory", [])}
+        self.space = self.space.without(self.out_of_memory, "ran out of memory")
         self._searched_for = None
 
     def _log(self, row: dict[str, Any], cand: Any, why: str, switch: bool, **extra: Any) -> None:

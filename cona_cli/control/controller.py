@@ -36,6 +36,9 @@ from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict
 from cona_cli.control.standby import LOW_PRIORITY, Standby, standby_args
 from cona_cli.control.telemetry_server import TelemetryServer
 from cona_cli.control.tensorboard_log import TensorBoardLog
+from cona_cli.planner.costmodel import as_array
+from cona_cli.planner.memory import memory_bytes
+from cona_cli.planner.workload import Workload
 from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy
 
@@ -140,6 +143,7 @@ class Controller:
         self._shapes: checkpoints.Shapes | None = None
         self._dirty = False  # the last drain changed something worth saving
         self.standby: Standby | None = None  # the pre-warmed next launch, if one runs
+        self._warm_handover = False  # the running launch was handed to a standby that was ready
         self._exiting: list[tuple[Agent, threading.Thread]] = []  # a switched-from job still shutting down
         self._switch: dict[str, float] = {}  # run times of the running switch's phases
 
@@ -192,13 +196,18 @@ class Controller:
             if self.signal_received is not None:
                 return self._interrupted(outcome)
             if result.returncode != 0 or outcome is None:
-                if not self._may_restart(result, ckpt):
+                failure = self._record_failure(result, ckpt)
+                if failure.out_of_memory:
+                    stage = self._out_of_memory(stage.strategy, failure)
+                    if stage is None:
+                        return self._exit(1, "out_of_memory", self.last_metric.get("step", 0))
+                elif not self._may_restart():
                     return self._exit(1, "failed", self.last_metric.get("step", 0))
                 if self.last_metric.get("launch") == self.launch:
                     prev = None  # the switch into this strategy is already recorded
                 ckpt = self.newest_checkpoint()
                 stage = self.policy.restart(checkpoints.checkpoint_step(ckpt) if ckpt else 0, stage)
-                launch_reason = "restart"
+                launch_reason = "out_of_memory" if failure.out_of_memory else "restart"
                 continue
             ckpt, launch_reason = Path(outcome["checkpoint"]), None
             reason = outcome["reason"]
@@ -234,8 +243,8 @@ class Controller:
         self.events.write("warning", message=message)
         self.console.print(f"[yellow]cona: {message}[/yellow]")
 
-    def _may_restart(self, result: LaunchResult, ckpt: Path | None) -> bool:
-        """Record a failed launch; whether the restart budget allows another launch."""
+    def _record_failure(self, result: LaunchResult, ckpt: Path | None) -> Failure:
+        """Record a failed launch (and quarantine a checkpoint it could not load); what its output says."""
         self._switch = {}
         log_path = result.log_path
         text = log_path.read_text(errors="replace") if log_path.is_file() else ""
@@ -249,6 +258,7 @@ class Controller:
             rank_exit_code=failure.rank_exit_code,
             exit_codes=failure.exit_codes,
             bad_checkpoint=failure.bad_checkpoint,
+            out_of_memory=failure.out_of_memory,
             last_lines=failure.last_lines,
             **({"host": host} if self.multi_node else {}),
         )
@@ -258,6 +268,10 @@ class Controller:
         if failure.bad_checkpoint and ckpt is not None and ckpt.is_dir():
             moved = checkpoints.quarantine(ckpt)
             self._warn(f"checkpoint {ckpt} could not be loaded; skipped (moved to {moved.name})")
+        return failure
+
+    def _may_restart(self) -> bool:
+        """Count a failed launch; whether the restart budget allows another launch."""
         now = time.time() - self.run_start
         t = self.cfg.train
         self.state.failures = [f for f in self.state.failures if now - f <= t.restart_window_s] + [now]
@@ -268,6 +282,41 @@ class Controller:
             )
             return False
         return True
+
+    def _out_of_memory(self, strategy: Strategy, failure: Failure) -> Stage | None:
+        """A strategy ran out of memory: infeasible for the rest of the run. The policy's next stage, or
+        None (the run stops) when it has no other strategy."""
+        estimate = self.files.memory_estimates().get(str(strategy))
+        peak = failure.peak_bytes
+        self.events.write(
+            "infeasible",
+            strategy=strategy.to_dict(),
+            reason="out_of_memory",
+            rank=failure.rank,
+            peak_bytes=peak,
+            estimate_bytes=estimate,
+        )
+        stage = self.policy.infeasible(strategy)
+        measured = f"measured peak {peak / 2**30:.2f} GiB" if peak is not None else "peak not reported"
+        planned = f", planner estimate {estimate / 2**30:.2f} GiB" if estimate is not None else ""
+        what = f"strategy {strategy} ran out of memory on rank {failure.rank} ({measured}{planned})"
+        if stage is None:
+            self.console.print(f"[red]cona: {what}: it does not fit here; stopping (policy {self.policy.name})[/red]")
+        else:
+            self.console.print(f"[yellow]cona: {what}: marked infeasible; continuing with {stage.strategy}[/yellow]")
+        return stage
+
+    def _record_memory_estimate(self, strategy: Strategy) -> None:
+        """The planner's peak-memory estimate of `strategy` for the workers' step rows (and OOM reports)."""
+        estimates = self.files.memory_estimates()
+        if str(strategy) in estimates:
+            return
+        vocab = self.files.vocab_size() if self.files.corpus.is_file() else None
+        workload = Workload.from_config(self.cfg, vocab=vocab)
+        estimates[str(strategy)] = float(memory_bytes(as_array([strategy]), workload)[0])
+        tmp = self.files.memory_estimate_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(estimates))
+        os.replace(tmp, self.files.memory_estimate_file)
 
     def _save_state(self, stage: Stage | None, prev: Prev | None) -> None:
         st = self.state
@@ -283,6 +332,7 @@ class Controller:
     ) -> tuple[LaunchResult, Stage | None]:
         self.launch += 1
         step = checkpoints.checkpoint_step(resume) if resume else 0
+        self._record_memory_estimate(stage.strategy)
         outcome_path = self.files.launch_outcome(self.launch)
         outcome_path.unlink(missing_ok=True)  # a leftover of a launch the controller never saw
         standby = self.standby
@@ -296,6 +346,8 @@ class Controller:
             reason=reason or stage.reason,
             standby=warm,
         )
+        self._warm_handover = warm and standby.ready_logged
+        self.policy.standby_ready = False
         if warm:
             standby.hand_over(self.files, stage, resume)
             self.standby = None
@@ -304,7 +356,7 @@ class Controller:
         else:
             self._drop_standby()
             agents, pumps = self._start(self.launch, worker_args(self.run_dir, stage, self.launch, resume))
-        self._switch.update(handover=time.time() - self.run_start, standby=warm)
+        self._switch.update(handover=time.time() - self.run_start, standby=warm, standby_ready=self._warm_handover)
         self.state.agent_pids = [a.pid for a in agents]
         self._save_state(stage, prev)
         per_node = len(agents) > 1
@@ -384,6 +436,7 @@ class Controller:
             "phases": rounded,
             "decision_to_first_step_s": round(first_step["time"] - decided, 4),
             "standby": p.get("standby", False),
+            "standby_ready": p.get("standby_ready", False),
         }
 
     def _switch_committed(self, outcome_path: Path, requested: Stage | None) -> bool:
@@ -449,6 +502,7 @@ class Controller:
                 return requested, failed, True
             if self.standby is not None and self.standby.newly_ready(self.files):
                 self.events.write("standby_ready", launch=self.standby.launch)
+                self.policy.standby_ready = True
             switch_to = self._drain(stage, prev, progress, wait=0.2)
             if self._dirty:
                 self._save_state(stage, prev)
@@ -515,7 +569,7 @@ class Controller:
                     **self._switch_phases(msg, prev[1]),
                     **{"from": prev[0].to_dict()},
                 )
-                self.policy.observe_switch(seconds)
+                self.policy.observe_switch(seconds, warm=bool(self._warm_handover))
             if msg.get("launch") == self.launch:
                 self._maybe_start_standby()
             self._show(progress, stage)

@@ -1,8 +1,9 @@
 """What went wrong in a failed launch, read from torchrun's output (launched with `--tee 3`).
 
-When one rank dies the others only report gloo "Connection closed by peer"; the real cause is the
-rank torchrun names under "Root Cause (first observed failure)", and that rank's own output lines
-(prefixed `[default<local_rank>]:` by the tee).
+When one rank dies the others only report gloo "Connection closed by peer" (NCCL: a remote error,
+an aborted communicator or a watchdog timeout); the real cause is the rank torchrun names under "Root
+Cause (first observed failure)", and that rank's own output lines (prefixed `[default<local_rank>]:` by
+the tee). Out of memory is recognised by the worker's exit code or torch's own error text.
 """
 
 from __future__ import annotations
@@ -12,14 +13,32 @@ import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cona_cli.rundir import BAD_CHECKPOINT_EXIT
+from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT
 
 if TYPE_CHECKING:
     from cona_cli.cluster.launchers import Agent
 
 _BLOCK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 _ROOT = "Root Cause (first observed failure)"
-_KNOCK_ON = ("Connection reset by peer", "Connection closed by peer", "Connection refused")  # a peer died
+_KNOCK_ON = (  # a peer died: gloo's and the TCP store's words, then NCCL's
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Connection refused",
+    "Connection was likely closed",
+    "ncclRemoteError",
+    "remote process exited or there was a network error",
+    "NCCL communicator was aborted",
+    "Watchdog caught collective operation timeout",
+    "Some NCCL operations have failed or timed out",
+)
+_OUT_OF_MEMORY = (  # torch's CUDA caching allocator, a CUDA kernel or NCCL, the CPU allocator
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "Cuda failure 'out of memory'",
+    "OutOfMemoryError",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+_PEAK = re.compile(r"out of memory under \S+: peak (\d+) bytes")  # the worker's own line
 _SRUN_TASK = re.compile(r"srun: error: (\S+): task \d+: (?!.*Terminated)")
 TAIL = 15
 SSH_FAILED = 255  # ssh's own exit status when it cannot connect or loses the connection
@@ -42,6 +61,19 @@ class Failure:
         return self.rank is not None and any(k in line for line in self.last_lines for k in _KNOCK_ON)
 
     @property
+    def out_of_memory(self) -> bool:
+        """The failing rank ran out of device (or host) memory."""
+        return OUT_OF_MEMORY_EXIT in self.exit_codes.values() or any(
+            k in line for line in self.last_lines for k in _OUT_OF_MEMORY
+        )
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The out-of-memory rank's measured peak (allocated on CUDA, resident on the CPU), if it said."""
+        found = [int(m.group(1)) for line in self.last_lines for m in [_PEAK.search(line)] if m]
+        return found[-1] if found else None
+
+    @property
     def bad_checkpoint(self) -> bool:
         """A rank could not load the checkpoint it was given."""
         return BAD_CHECKPOINT_EXIT in self.exit_codes.values()
@@ -59,7 +91,7 @@ class Failure:
             if code is not None and code < 0 and -code in signal.valid_signals()
             else f"exit code {code}"
         )
-        return f"rank {self.rank} failed first ({how})"
+        return f"rank {self.rank} {'ran out of memory' if self.out_of_memory else 'failed first'} ({how})"
 
 
 def parse_failure(log: str, exit_code: int) -> Failure:

@@ -35,6 +35,7 @@ class Policy:
 
     def __init__(self) -> None:
         self.events: EventSink | None = None  # the controller's events.jsonl, for policies that log
+        self.standby_ready = False  # set by the controller: a pre-warmed job waits, switches are cheap now
 
     def first(self) -> Stage:
         raise NotImplementedError
@@ -50,8 +51,8 @@ class Policy:
     def on_eval(self, row: dict[str, Any]) -> None:
         """An evaluation row arrived (validation loss on the fixed probe set)."""
 
-    def observe_switch(self, seconds: float) -> None:
-        """A switch just cost `seconds` (checkpoint, exit, relaunch, load)."""
+    def observe_switch(self, seconds: float, warm: bool = False) -> None:
+        """A switch just cost `seconds` (checkpoint, exit, relaunch, load); `warm`: a ready standby took over."""
 
     def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
         """A launch ended at a stage end or on request; return the next stage, or None when done."""
@@ -60,6 +61,11 @@ class Policy:
     def restart(self, step: int, stage: Stage) -> Stage | None:
         """The stage that continues from a checkpoint at `step`, after `stage` failed or was stopped."""
         return stage
+
+    def infeasible(self, strategy: Strategy) -> Stage | None:
+        """`strategy` ran out of memory: it never runs again in this run. The stage to continue with, or
+        None to stop the run (a static strategy or a chain has no other)."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """What `load_state_dict` needs to continue the run in a new controller (JSON-serialisable)."""

@@ -80,6 +80,7 @@ def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
     if run.holds_run():
         raise ConfigError(f"--run-dir: {run_dir} already holds a run; choose a new folder or --resume it")
     from launch.data import DataError, prepare_corpus  # imports torch: only once the config is valid
+    from launch.models import get_spec
 
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(config, run.config_copy)
@@ -88,7 +89,7 @@ def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
     if cfg.cluster.launcher != "local" and data.cache_dir is None:  # the nodes read tokens from shared storage
         data = dataclasses.replace(data, cache_dir=str(run.data.absolute()))
     try:
-        corpus = prepare_corpus(data, seed=cfg.train.seed)
+        corpus = prepare_corpus(data, seed=cfg.train.seed, special_tokens=get_spec(cfg.model.family).special_tokens)
     except DataError as e:
         raise ConfigError(str(e)) from None
     run.corpus.write_text(corpus.to_json())
