@@ -69,12 +69,15 @@ def cache_root() -> Path:
 # --------------------------------------------------------------------------- corpus preparation
 
 
-def prepare_corpus(data: DataConfig, seed: int = 0) -> CorpusInfo:
-    """Runs once in the controller before launch (idempotent, cached). Raises DataError (a ValueError
-    subclass, one-line message naming the file/folder) for a missing folder, missing train.txt/valid.txt,
-    empty files."""
+def prepare_corpus(data: DataConfig, seed: int = 0, special_tokens: tuple[str, ...] = ()) -> CorpusInfo:
+    """Runs once in the controller before launch (idempotent, cached). `special_tokens` (the model
+    family's) get the ids after the corpus's own tokens and are part of the cache key (none: the key of
+    a corpus without them). Raises DataError (a ValueError subclass, one-line message naming the
+    file/folder) for a missing folder, missing train.txt/valid.txt, empty files."""
     vocab = 256 if data.tokenizer == "byte" else data.vocab_size
     recipe: dict[str, object] = {"format": _FORMAT_VERSION, "tokenizer": data.tokenizer, "vocab": vocab}
+    if special_tokens:
+        recipe["special_tokens"] = list(special_tokens)
     if data.path is None:
         recipe.update(synthetic=_SYNTHETIC_VERSION, words=data.synthetic_tokens, seed=seed)
         base = Path(data.cache_dir) if data.cache_dir else cache_root()
@@ -86,7 +89,7 @@ def prepare_corpus(data: DataConfig, seed: int = 0) -> CorpusInfo:
             (tmp / "train.txt").write_text(train, encoding="utf-8")
             (tmp / "valid.txt").write_text(valid, encoding="utf-8")
             log.info("synthetic corpus: %d words in %.1fs", data.synthetic_tokens, time.perf_counter() - t0)
-            return _tokenize(tmp, tmp / "train.txt", tmp / "valid.txt", data.tokenizer, vocab)
+            return _tokenize(tmp, tmp / "train.txt", tmp / "valid.txt", data.tokenizer, vocab, special_tokens)
     else:
         src = _check_source(Path(data.path).expanduser())
         recipe.update(train=_file_sha(src / "train.txt"), valid=_file_sha(src / "valid.txt"))
@@ -99,7 +102,7 @@ def prepare_corpus(data: DataConfig, seed: int = 0) -> CorpusInfo:
         label = src.resolve().name
 
         def build(tmp: Path) -> dict[str, int]:
-            return _tokenize(tmp, src / "train.txt", src / "valid.txt", data.tokenizer, vocab)
+            return _tokenize(tmp, src / "train.txt", src / "valid.txt", data.tokenizer, vocab, special_tokens)
 
     key = _digest(recipe)
     return _cached((base / f"{label}-{key}").expanduser().absolute(), key, build)
@@ -171,15 +174,18 @@ def _read_text(path: Path) -> str:
         raise DataError(f"{path}: not UTF-8 text") from None
 
 
-def _tokenize(out: Path, train: Path, valid: Path, kind: str, vocab_size: int) -> dict[str, int]:
-    """Write train.npy / valid.npy (uint16) and, for BPE, tokenizer.json into `out`; return the meta."""
+def _tokenize(
+    out: Path, train: Path, valid: Path, kind: str, vocab_size: int, special_tokens: tuple[str, ...] = ()
+) -> dict[str, int]:
+    """Write train.npy / valid.npy (uint16) and, for BPE, tokenizer.json into `out`; return the meta.
+    Special tokens follow the corpus's ids (bytes: 256, 257, ...; BPE: after the trained vocabulary)."""
     counts = {}
     if kind == "byte":
         for split, src in (("train", train), ("valid", valid)):
             ids = np.fromfile(src, dtype=np.uint8).astype(np.uint16)
             np.save(out / f"{split}.npy", ids)
             counts[split] = len(ids)
-        vocab = 256
+        vocab = 256 + len(special_tokens)
     else:
         texts = {
             "train": _read_text(train).splitlines(keepends=True),
@@ -193,6 +199,7 @@ def _tokenize(out: Path, train: Path, valid: Path, kind: str, vocab_size: int) -
             vocab_size=vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
         )
         tok.train_from_iterator(texts["train"], trainer)
+        tok.add_special_tokens(list(special_tokens))
         tok.save(str(out / "tokenizer.json"))
         vocab = tok.get_vocab_size()
         log.info("BPE (%d tokens) trained on %s in %.1fs", vocab, train, time.perf_counter() - t0)

@@ -2,7 +2,8 @@
 
 Every quantity here is this rank's *share*: summed over all ranks (one all-reduce, batched with the
 step's other scalars) it covers the whole model exactly once, whatever dp/tp/pp layout holds it
-(the clip_grad_norm_ traps under TP and PP avoided).
+(the clip_grad_norm_ traps under TP and PP avoided). Shares are 0-d float64 tensors on the gradients'
+device: reading them is left to the step's one host sync.
 """
 
 from __future__ import annotations
@@ -11,16 +12,21 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launch.parallelize import ParallelModel, counts_here, local_tensor
+from launch.parallelize import ParallelModel, counts_here, in_param_layout, local_tensor
 
 
-def _sq(tensors: list[torch.Tensor]) -> float:
+def _sq(tensors: list[torch.Tensor]) -> torch.Tensor | float:
     if not tensors:
         return 0.0
-    return float(torch.stack(torch._foreach_norm(tensors)).double().pow(2).sum())
+    return torch.stack(torch._foreach_norm(tensors)).double().pow(2).sum()
 
 
-def local_grad_sq(pm: ParallelModel) -> float:
+def _dot(g: torch.Tensor) -> torch.Tensor:
+    flat = local_tensor(g).reshape(-1)
+    return torch.dot(flat, flat)
+
+
+def local_grad_sq(pm: ParallelModel) -> torch.Tensor | float:
     """This rank's share of |g|^2 of the (data-parallel reduced) gradient."""
     return _sq(pm.counted_grads(("dp", "tp")))
 
@@ -41,7 +47,7 @@ class SmallBatchNorms:
     micro-batch (mbs samples), whose gradient is what the first accumulation writes into each
     `.grad` (read in post-accumulate hooks: one dot product per parameter and step). Summed over
     ranks and divided by `n_small`, `local_share()` is the mean |G_small|^2. Hooks only queue 0-d
-    tensors; the one host sync happens in `local_share()`.
+    tensors, and `local_share()` returns one without reading it.
     """
 
     def __init__(self, pm: ParallelModel) -> None:
@@ -50,8 +56,9 @@ class SmallBatchNorms:
         self.available = s.dp > 1 or s.n_microbatches > 1
         self.b_small = s.gbs // s.dp if s.dp > 1 else s.mbs
         self.n_small = s.dp if s.dp > 1 else 1
-        self._share = 0.0
+        self._share: torch.Tensor | float = 0.0
         self._pending: list[torch.Tensor] = []
+        self._tied_first: list[torch.Tensor] = []  # first micro-batch gradients of tied copies (pp > 1)
         self._hooks: dict[torch.nn.Parameter, torch.utils.hooks.RemovableHandle] = {}
         self._scale = 1.0
         self._first_microbatch = False
@@ -68,18 +75,24 @@ class SmallBatchNorms:
     def begin_step(self) -> None:
         self._share = 0.0
         self._pending.clear()
+        self._tied_first.clear()
         if self._first_microbatch:  # each hook removes itself after the first micro-batch
             for p in self.pm.model.parameters():
                 self._hooks[p] = p.register_post_accumulate_grad_hook(self._first_microbatch_hook)
 
     def before_dp_reduce(self) -> None:
-        """Our own dp all-reduce is about to run: read the local replica gradients first."""
+        """The step's backward passes are done and our own dp all-reduce (if any) is about to run: read the
+        local replica gradients first; sum the tied copies' first micro-batch gradients over the end stages."""
+        if self._tied_first:
+            self.pm.sum_tied(self._tied_first)
+            if self.pm.is_first:
+                self._pending += [_dot(g) for g in self._tied_first if counts_here(g, self.pm.coord, ("tp",))]
         if self.pm.dp_group is not None:
-            self._share += _sq(self.pm.counted_grads(("tp",)))
+            self._share = self._share + _sq(self.pm.counted_grads(("tp",)))
 
-    def local_share(self) -> float:
+    def local_share(self) -> torch.Tensor | float:
         if self._pending:
-            self._share += float(torch.stack(self._pending).double().sum()) * self._scale
+            self._share = self._share + torch.stack(self._pending).double().sum() * self._scale
             self._pending.clear()
         return self._share
 
@@ -94,6 +107,7 @@ class SmallBatchNorms:
     @torch.no_grad()
     def _first_microbatch_hook(self, p: torch.nn.Parameter) -> None:
         self._hooks.pop(p).remove()
-        if counts_here(p.grad, self.pm.coord, ("tp",)):
-            flat = local_tensor(p.grad).reshape(-1)
-            self._pending.append(torch.dot(flat, flat))
+        if any(p is t for t in self.pm.tied):  # one end stage's part of the gradient: summed later
+            self._tied_first.append(in_param_layout(p, p.grad).clone())
+        elif counts_here(p.grad, self.pm.coord, ("tp",)):
+            self._pending.append(_dot(p.grad))

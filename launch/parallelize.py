@@ -1,8 +1,9 @@
-"""Apply a (dp, tp, pp) layout to a plain model: pipeline split, then tensor parallel, then data parallel.
+"""Apply a (dp, tp, pp) layout to a plain model: pipeline split, tensor parallel, recompute, data parallel.
 
 `parallelize(model, mesh, strategy)` returns a `ParallelModel` that runs one step's micro-batches
 (pipeline schedule when pp > 1, gradient accumulation when pp = 1) and knows which of its
 parameters' gradient shards each rank must count so that norms cover the whole model exactly once.
+Losses stay on the device as tensors: reading them is left to the step's one host sync.
 What is particular to a model family (its TP plan, pipeline split and loss) comes from its `ModelSpec`.
 """
 
@@ -23,7 +24,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cona_cli.strategy import Strategy
+from launch.device import group_device
 from launch.models.spec import Batch, ModelSpec
+from launch.precision import autocast_forward, fsdp_policy
+from launch.recompute import recompute_blocks
 
 
 @dataclass
@@ -38,14 +42,28 @@ class ParallelModel:
     schedule: object | None = None
     coord: dict[str, int] = field(default_factory=dict)  # this rank's (pp, dp, tp) coordinates
     dp_group: dist.ProcessGroup | None = None  # set when gradients are averaged here, not by DDP/FSDP
+    device: torch.device | None = None  # where the local model, its batches and its losses live
+    tied: tuple[nn.Parameter, ...] = ()  # this end stage's copies of parameters both end stages hold (pp > 1)
+    tie_group: dist.ProcessGroup | None = None  # the first and the last stage at this rank's (dp, tp)
 
     def counted_grads(self, dims: tuple[str, ...]) -> list[torch.Tensor]:
-        """Local gradient pieces this rank counts (see `counts_here`)."""
+        """Local gradient pieces this rank counts (see `counts_here`); a tied parameter's once, on the
+        first stage."""
         return [
             local_tensor(p.grad)
             for p in self.model.parameters()
-            if p.grad is not None and counts_here(p.grad, self.coord, dims)
+            if p.grad is not None and not self.is_tied_copy(p) and counts_here(p.grad, self.coord, dims)
         ]
+
+    def is_tied_copy(self, p: nn.Parameter) -> bool:
+        """`p` is the last stage's copy of a tied parameter."""
+        return not self.is_first and any(p is t for t in self.tied)
+
+    def sum_tied(self, grads: list[torch.Tensor]) -> None:
+        """Sum gradient pieces of the tied parameters (in place, in their parameters' layouts) over the
+        first and the last stage."""
+        for g in grads:
+            dist.all_reduce(local_tensor(g), group=self.tie_group)
 
     @property
     def is_first(self) -> bool:
@@ -57,20 +75,25 @@ class ParallelModel:
         """This rank's stage computes the loss."""
         return self.coord["pp"] == self.strategy.pp - 1
 
-    def forward_backward(self, micro: list[Batch]) -> float:
+    def forward_backward(self, micro: list[Batch]) -> torch.Tensor:
         """Run the step's micro-batches with backward; returns the summed micro-batch losses (last stage)."""
         if self.schedule is not None:
-            total = self._pipeline(micro, train=True)
-        else:
-            total = 0.0
-            m = len(micro)
-            for i, (x, y) in enumerate(micro):
-                sync = i == m - 1 or not isinstance(self.wrapped, DDP)
-                with nullcontext() if sync else self.wrapped.no_sync():
-                    loss = self.loss(self.wrapped(x), y)
-                    (loss / m).backward()
-                total += loss.item()
-        return total
+            loss = self._pipeline(micro, train=True)
+            # Megatron's embedding all-reduce: each end stage's copy of a tied weight got its own use's
+            # gradient; the sum is the whole model's, so the copies (equal at init) stay equal.
+            for p in self.tied:
+                p.grad = in_param_layout(p, p.grad)
+            self.sum_tied([p.grad for p in self.tied])
+            return loss
+        losses = []
+        m = len(micro)
+        for i, (x, y) in enumerate(micro):
+            sync = i == m - 1 or not isinstance(self.wrapped, DDP)
+            with nullcontext() if sync else self.wrapped.no_sync():
+                loss = self.loss(self.wrapped(x), y)
+                (loss / m).backward()
+            losses.append(loss.detach())
+        return torch.stack(losses).sum()
 
     def average_grads(self) -> None:
         """Data-parallel gradient average where DDP/FSDP did not already do it during backward:
@@ -87,25 +110,45 @@ class ParallelModel:
             offset += g.numel()
 
     @torch.no_grad()
-    def evaluate(self, micro: list[Batch]) -> float:
+    def evaluate(self, micro: list[Batch]) -> torch.Tensor:
         """Forward only; returns the summed micro-batch losses (last stage)."""
         if self.schedule is not None:
             return self._pipeline(micro, train=False)
-        return sum(self.loss(self.wrapped(x), y).item() for x, y in micro)
+        return torch.stack([self.loss(self.wrapped(x), y) for x, y in micro]).sum()
 
-    def _pipeline(self, micro: list[Batch], train: bool) -> float:
+    def _pipeline(self, micro: list[Batch], train: bool) -> torch.Tensor:
         x = torch.cat([m[0] for m in micro]) if self.is_first else None
         y = torch.cat([m[1] for m in micro]) if self.is_last else None
         losses: list[torch.Tensor] = []
         args = (x,) if x is not None else ()
         run = self.schedule.step if train else self.schedule.eval
         run(*args, target=y, losses=losses if self.is_last else None, return_outputs=False)
-        return float(sum(loss.item() for loss in losses))
+        return torch.stack([loss.detach() for loss in losses]).sum() if losses else torch.zeros((), device=self.device)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a DTensor; a plain tensor as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def in_param_layout(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """`grad` in the placements of its parameter (under TP the embedding's comes back Replicate while the
+    tied head's is Shard(0): local pieces of both copies must line up to be summed)."""
+    if isinstance(grad, DTensor) and grad.placements != p.placements:
+        return grad.redistribute(p.device_mesh, p.placements)
+    return grad
+
+
+def tie_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The group of the first and the last pipeline stage at this rank's (dp, tp) coordinates (every rank
+    creates every such group; None on middle stages)."""
+    ranks = mesh.mesh  # global ranks by (pp, dp, tp)
+    mine = None
+    for ends in torch.stack([ranks[0].flatten(), ranks[-1].flatten()], dim=1).tolist():
+        group = dist.new_group(ends)
+        if dist.get_rank() in ends:
+            mine = group
+    return mine
 
 
 def counts_here(grad: torch.Tensor, coord: dict[str, int], dims: tuple[str, ...]) -> bool:
@@ -132,21 +175,31 @@ def parallelize(
     *,
     dp_impl: str = "ddp",
     pp_schedule: str = "1f1b",
+    precision: str = "fp32",
+    recompute: bool = False,
+    device: torch.device | None = None,
 ) -> ParallelModel:
-    """Apply the layout in a fixed order: pipeline split, tensor parallel, data parallel, schedule."""
+    """Apply the layout in a fixed order: pipeline split, tensor parallel, recompute, data parallel (with
+    FSDP2's mixed precision, else autocast), schedule. `device`: where the model lives (default: the
+    process group's device)."""
+    device = device or group_device()
     pp_rank = mesh["pp"].get_local_rank()
     if strategy.pp > 1:
         spec.pipeline_split(model, pp_rank, strategy.pp)
     if strategy.tp > 1:
         parallelize_module(model, mesh["tp"], spec.tp_plan(model))
+    if recompute:
+        recompute_blocks(model)
     wrapped: nn.Module = model
     if dp_impl == "fsdp":
-        dp_mesh = mesh["dp"]
+        dp_mesh, mp = mesh["dp"], fsdp_policy(precision)
         for block in model.layers.values():
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=strategy.pp == 1)
-    elif strategy.dp > 1 and strategy.tp == 1 and strategy.pp == 1:
-        wrapped = DDP(model, process_group=mesh["dp"].get_group(), forward_sync_buffers=False)
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=strategy.pp == 1, mp_policy=mp)
+    else:
+        autocast_forward(model, precision, device)
+        if strategy.dp > 1 and strategy.tp == 1 and strategy.pp == 1:
+            wrapped = DDP(model, process_group=mesh["dp"].get_group(), forward_sync_buffers=False)
     pm = ParallelModel(
         model=model,
         wrapped=wrapped,
@@ -154,6 +207,7 @@ def parallelize(
         strategy=strategy,
         loss=spec.loss,
         coord=dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())),
+        device=device,
     )
     if dp_impl == "ddp" and strategy.dp > 1 and wrapped is model:
         # Measured with torch 2.13 on gloo: DDP's reducer rejects DTensor parameters under TP (mixed
@@ -161,8 +215,13 @@ def parallelize(
         # (INTERNAL ASSERT in reducer.cpp). There the local gradients are averaged here, after the
         # step's backward passes, in one flat all-reduce over the dp group.
         pm.dp_group = mesh["dp"].get_group()
+    if strategy.pp > 1 and spec.tied:
+        pm.tie_group = tie_group(mesh)
+        if pm.is_first or pm.is_last:
+            params = dict(model.named_parameters())
+            pm.tied = tuple(params[name] for name in spec.tied)
     if strategy.pp > 1:
-        stage = PipelineStage(wrapped, pp_rank, strategy.pp, torch.device("cpu"), group=mesh["pp"].get_group())
+        stage = PipelineStage(wrapped, pp_rank, strategy.pp, device, group=mesh["pp"].get_group())
         schedule_cls = Schedule1F1B if pp_schedule == "1f1b" else ScheduleGPipe
         pm.schedule = schedule_cls(stage, n_microbatches=strategy.n_microbatches, loss_fn=spec.loss)
     return pm

@@ -1,4 +1,5 @@
-"""Every world-4 layout matches single-process training; DCP checkpoints reshard across layouts."""
+"""Every world-4 layout matches single-process training, for every model family (FSDP under TP and PP
+too); DCP checkpoints reshard across layouts; tied embeddings stay equal on both pipeline ends."""
 
 from __future__ import annotations
 
@@ -10,29 +11,38 @@ from tests.support import REPO, TINY, torchrun
 
 pytestmark = pytest.mark.e2e
 
+# Per-family changes to the tiny model: llama with grouped-query attention (K/V heads divisible by tp 4).
+MODEL = {"gpt": {}, "llama": {"n_heads": 8, "n_kv_heads": 4}, "bert": {}}
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+
+@pytest.fixture(scope="module", params=sorted(MODEL))
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     from cona_cli.config import config_from_dict
     from launch.data import prepare_corpus
+    from launch.models import get_spec
 
-    run_dir = tmp_path_factory.mktemp("layouts")
-    cfg = config_from_dict(TINY, "tiny")
+    family = request.param
+    run_dir = tmp_path_factory.mktemp(f"layouts-{family}")
+    cfg = config_from_dict({**TINY, "model": {**TINY["model"], "family": family, **MODEL[family]}}, "tiny")
     (run_dir / "config.resolved.json").write_text(json.dumps(cfg.to_raw()))
-    (run_dir / "corpus.json").write_text(prepare_corpus(cfg.data, seed=cfg.train.seed).to_json())
+    corpus = prepare_corpus(cfg.data, seed=cfg.train.seed, special_tokens=get_spec(family).special_tokens)
+    (run_dir / "corpus.json").write_text(corpus.to_json())
     out = run_dir / "results.json"
     torchrun(REPO / "tests" / "dist" / "layouts.py", 4, str(run_dir), str(out))
-    return json.loads(out.read_text())
+    return {"family": family, **json.loads(out.read_text())}
 
 
 def test_every_layout_matches_single_process(results: dict) -> None:
     ref = results["reference"]
-    assert len(results["layouts"]) == 6
-    for name, losses in results["layouts"].items():
+    assert len(results["layouts"]) == 6 and len(results["fsdp"]) == 2
+    for name, losses in {**results["layouts"], **{f"fsdp {k}": v for k, v in results["fsdp"].items()}}.items():
         assert abs(losses[0] - ref[0]) < 1e-4, (name, losses, ref)
         for got, want in zip(losses, ref):
             assert abs(got - want) < 1e-3, (name, losses, ref)
-    assert ref[-1] < ref[0]  # it trains
+    mean = results["reference_mean"]  # per target: a masked LM's step losses also vary with how many are masked
+    assert mean[-1] < mean[0]  # it trains
+    if results["family"] != "llama":  # tied: rank 0's first and last stage copies, under each pp > 1 layout
+        assert results["tied_equal"] and all(results["tied_equal"]), results["tied_equal"]
 
 
 def test_reshard_keeps_weights_moments_and_loss(results: dict) -> None:

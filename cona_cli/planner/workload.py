@@ -25,9 +25,10 @@ class Workload:
     procs_per_node: int = 1
 
     @classmethod
-    def from_config(cls, cfg: Config) -> Workload:
+    def from_config(cls, cfg: Config, vocab: int | None = None) -> Workload:
+        """`vocab`: the prepared corpus's vocabulary when known (else `data.vocab_size`)."""
         return cls(
-            model_shape(cfg.model, cfg.data.vocab_size),
+            model_shape(cfg.model, vocab or cfg.data.vocab_size),
             cfg.search.precision,
             cfg.search.recompute,
             cfg.train.pp_schedule,
@@ -49,6 +50,6 @@ class Workload:
         """Parameters held by one device of the largest stage (layers plus embedding or head; a tied
         embedding is held by the first and the last stage)."""
         m = self.shape
-        head = m.embedding_params if m.tied_embeddings else m.vocab * m.d_model
-        ends = np.where(pp == 1, m.embedding_params + (0 if m.tied_embeddings else head), max(m.embedding_params, head))
+        last = m.head_params + m.tied_copy_params
+        ends = np.where(pp == 1, m.embedding_params + m.head_params, max(m.embedding_params, last))
         return (m.n_layers / pp * m.layer_params + ends) / tp

@@ -11,14 +11,18 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from launch.models.shape import ModelShape, gpt_shape
+from launch.models.shape import ModelShape, bert_shape, gpt_shape, llama_shape
 
 if TYPE_CHECKING:
     from cona_cli.config import ModelConfig
     from launch.models.spec import ModelSpec
 
-FAMILY_MODULES = {"gpt": "launch.models.gpt"}
-SHAPES: dict[str, Callable[[ModelConfig, int], ModelShape]] = {"gpt": gpt_shape}
+FAMILY_MODULES = {"gpt": "launch.models.gpt", "llama": "launch.models.llama", "bert": "launch.models.bert"}
+SHAPES: dict[str, Callable[[ModelConfig, int], ModelShape]] = {
+    "gpt": gpt_shape,
+    "llama": llama_shape,
+    "bert": bert_shape,
+}
 
 
 def get_spec(family: str) -> ModelSpec:

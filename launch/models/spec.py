@@ -3,7 +3,8 @@
 The trainer and `parallelize()` know nothing about a family beyond this. Conventions a family's
 module keeps: its blocks live in an `nn.ModuleDict` named `layers` keyed by global index (so a
 pipeline stage keeps the whole model's parameter names), and it has `init_weights(seed)`, seeded and
-identical whatever the layout.
+identical whatever the layout. A family's special tokens (`special_tokens`) follow the corpus's own
+tokens: with a vocabulary of V ids in all, the k specials are ids V - k .. V - 1 in their order.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ def next_token_batch(windows: torch.Tensor, sample_ids: torch.Tensor) -> Batch:
     return windows[:, :-1], windows[:, 1:]
 
 
+def causal_lm_batch(vocab_size: int) -> BatchFn:
+    """The batch function of a causal language model (any vocabulary)."""
+    return next_token_batch
+
+
 @dataclass(frozen=True)
 class HFExport:
     """How a family maps onto a Hugging Face `transformers` model (for `cona export --format hf`)."""
@@ -53,10 +59,17 @@ class ModelSpec:
     pipeline_split: Callable[[nn.Module, int, int], None]
     """Keep only stage `pp_rank` of `pp` in place: its layers and, at the ends, embedding and head."""
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    """(outputs, targets) -> loss summed over real targets, divided by all target positions."""
-    batch: BatchFn
-    """(token windows [n, seq_len + 1], global sample ids [n]) -> (inputs, targets)."""
+    """(outputs, targets) -> loss summed over real targets, divided by all target positions times
+    `target_fraction` (a constant per position, so any split into micro-batches sums to the same gradient)."""
+    batch: Callable[[int], BatchFn]
+    """vocabulary size -> ((token windows [n, seq_len + 1], global sample ids [n]) -> (inputs, targets))."""
     shape: Callable[[ModelConfig, int], ModelShape]
     """The torch-free shape the planner's cost and memory models read."""
     hf: HFExport | None = None
     """The Hugging Face mapping, if the family has one."""
+    target_fraction: float = 1.0
+    """Expected share of positions that are targets (masked LM: the masking rate)."""
+    special_tokens: tuple[str, ...] = ()
+    """Tokens the tokenizer adds after the corpus's own (the corpus cache key includes them)."""
+    tied: tuple[str, ...] = ()
+    """Parameters the first and the last pipeline stage both hold (tied input/output embeddings)."""

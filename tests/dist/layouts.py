@@ -1,4 +1,5 @@
-"""Run under torchrun (4 ranks): every layout vs a single-process reference, and DCP resharding.
+"""Run under torchrun (4 ranks): every layout (and FSDP under TP and PP) vs a single-process reference,
+and DCP resharding.
 
 Usage: torchrun --standalone --nproc-per-node 4 tests/dist/layouts.py RUN_DIR OUT_JSON
 RUN_DIR holds config.resolved.json and corpus.json (written by the pytest side).
@@ -6,6 +7,7 @@ RUN_DIR holds config.resolved.json and corpus.json (written by the pytest side).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -18,29 +20,33 @@ from cona_cli.strategy import Strategy
 from launch.data import CorpusInfo, TokenStream
 from launch.lr import learning_rate
 from launch.models import get_spec
+from launch.models.spec import IGNORE_INDEX
 from launch.worker import Worker
 from tests.dist.common import start
 
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (1, 4, 1)]
 STEPS = 3
+FSDP_LAYOUTS = [(2, 2, 1), (2, 1, 2)]
 RESHARD = [((2, 2, 1, 2, 16), (4, 1, 1, 2, 16)), ((4, 1, 1, 2, 16), (1, 2, 2, 2, 16)),
            ((2, 1, 2, 2, 16), (1, 1, 4, 2, 16)), ((2, 2, 1, 2, 16), (2, 1, 2, 1, 32))]
 
 
-def reference_losses(cfg, corpus: CorpusInfo, gbs: int, steps: int) -> list[float]:
-    """Plain single-process training: the same init, data, clipping, AdamW and LR rule."""
+def reference_losses(cfg, corpus: CorpusInfo, gbs: int, steps: int) -> tuple[list[float], list[float]]:
+    """Plain single-process training: the same init, data, clipping, AdamW and LR rule. Returns the step
+    losses and their exact means per target (differ for a masked LM, whose loss has a fixed divisor)."""
     m, t = cfg.model, cfg.train
-    model = get_spec(m.family).build(m, corpus.vocab_size)
+    spec = get_spec(m.family)
+    model = spec.build(m, corpus.vocab_size)
     model.init_weights(t.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
-    stream = TokenStream(corpus.train_path, m.seq_len, t.seed)
-    losses = []
+    stream = TokenStream(corpus.train_path, m.seq_len, t.seed, spec.batch(corpus.vocab_size))
+    losses, means = [], []
     for step in range(steps):
         x, y = stream.samples(step * gbs, gbs)
         for g in opt.param_groups:
             g["lr"] = learning_rate(t, step * gbs * m.seq_len, gbs)
         opt.zero_grad()
-        loss = get_spec(m.family).loss(model(x), y)
+        loss = spec.loss(model(x), y)
         loss.backward()
         norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()))
         if t.grad_clip and norm > t.grad_clip:
@@ -48,7 +54,8 @@ def reference_losses(cfg, corpus: CorpusInfo, gbs: int, steps: int) -> list[floa
                 p.grad.mul_(t.grad_clip / (norm + 1e-6))
         opt.step()
         losses.append(loss.item())
-    return losses
+        means.append(loss.item() * y.numel() * spec.target_fraction / int((y != IGNORE_INDEX).sum()))
+    return losses, means
 
 
 def full_state(w: Worker) -> dict[str, torch.Tensor]:
@@ -68,15 +75,35 @@ def full_state(w: Worker) -> dict[str, torch.Tensor]:
     return merged
 
 
+def tied_copies_equal(w: Worker) -> list[bool]:
+    """Whether the end stages' copies of each tied parameter are still equal (pp > 1; [] otherwise)."""
+    if w.pm.tie_group is None:
+        return []
+    out = []
+    for p in w.pm.tied:
+        mine = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        other = mine.clone()
+        dist.broadcast(other, group=w.pm.tie_group, group_src=0)
+        out.append(bool(torch.equal(mine, other)))
+    return out
+
+
 def main() -> None:
     run_dir, out, cfg, corpus = start()
-    results: dict = {"layouts": {}, "reshard": []}
+    results: dict = {"layouts": {}, "fsdp": {}, "reshard": [], "tied_equal": []}
     gbs = 16
-    results["reference"] = reference_losses(cfg, corpus, gbs, STEPS)
+    results["reference"], results["reference_mean"] = reference_losses(cfg, corpus, gbs, STEPS)
     for dp, tp, pp in LAYOUTS:
         s = Strategy(dp, tp, pp, 2, gbs)
         w = Worker(cfg, run_dir, s, launch=1)
         results["layouts"][str(s)] = [w.train_step(False).loss for _ in range(STEPS)]
+        results["tied_equal"] += tied_copies_equal(w)
+    fsdp = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dp_impl="fsdp"))
+    for dp, tp, pp in FSDP_LAYOUTS:
+        s = Strategy(dp, tp, pp, 2, gbs)
+        w = Worker(fsdp, run_dir, s, launch=1)
+        results["fsdp"][str(s)] = [w.train_step(False).loss for _ in range(STEPS)]
+        results["tied_equal"] += tied_copies_equal(w)
     for i, (a, b) in enumerate(RESHARD):
         wa = Worker(cfg, run_dir, Strategy(*a), launch=1)
         wa.ckpt_root = run_dir / f"ckpt_{i}"

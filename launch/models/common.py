@@ -1,0 +1,72 @@
+"""What the model families share: the loss, seeded init, the pipeline split and the tied output head."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
+
+from launch.models.spec import IGNORE_INDEX
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, target_fraction: float = 1.0) -> torch.Tensor:
+    """Token cross-entropy summed over real targets and divided by all positions times `target_fraction`.
+
+    Without padding (causal LM) this is the mean; loss * targets.numel() * target_fraction is the exact sum.
+    """
+    ce = F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+    return ce / (targets.numel() * target_fraction)
+
+
+@torch.no_grad()
+def normal_init(model: nn.Module, seed: int, n_layers: int, residual: tuple[str, ...]) -> None:
+    """GPT-2 style init, seeded and identical whatever the layout (call before parallelising): N(0, 0.02)
+    matrices, N(0, 0.02 / sqrt(2 n_layers)) for the `residual` output projections, norm weights 1, biases 0."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() == 1:
+            nn.init.ones_(p)
+        else:
+            std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(residual) else 0.02
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def keep_stage(model: nn.Module, pp_rank: int, pp: int, first: tuple[str, ...], last: tuple[str, ...]) -> None:
+    """Keep only stage `pp_rank`'s layers (global indices kept as keys) and the end modules it holds:
+    `first` on stage 0, `last` on stage pp - 1 (a name in both, a tied embedding, stays on both)."""
+    per_stage = len(model.layers) // pp
+    owned = set(range(pp_rank * per_stage, (pp_rank + 1) * per_stage))
+    for key in list(model.layers.keys()):
+        if int(key) not in owned:
+            del model.layers[key]
+    held = (first if pp_rank == 0 else ()) + (last if pp_rank == pp - 1 else ())
+    for name in set(first + last) - set(held):
+        setattr(model, name, None)
+    model.takes_tokens = pp_rank == 0
+
+
+class TiedHead(nn.Module):
+    """Logits from hidden states with the input embedding's weight, passed at call time: the model holds
+    (and a checkpoint names) that weight once, as the embedding's."""
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, weight)
+
+
+def tied_head_style() -> ParallelStyle:
+    """Tensor parallelism for a `TiedHead`: ColwiseParallel's layouts on the weight the vocab-parallel
+    embedding shards as Shard(0) (replicated hidden states in, vocabulary-sharded logits gathered)."""
+    return PrepareModuleInputOutput(
+        input_layouts=(Replicate(), None),
+        desired_input_layouts=(Replicate(), None),
+        output_layouts=Shard(-1),
+        desired_output_layouts=Replicate(),
+    )
