@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cona_cli.gns import NoiseScale, two_batch_estimate
-from tests.support import REPO, torchrun
+from tests.support import REPO, TINY, torchrun
 
 
 def _synthetic(true_g: np.ndarray, sigma: float, b_small: int, n_small: int, rng: np.random.Generator):
@@ -75,9 +75,30 @@ def test_estimator_rejects_degenerate_batches() -> None:
         two_batch_estimate(16, 1.0, 16, 1.0)
 
 
+def _family_run_dir(run_dir: Path, family: str) -> None:
+    """Turn the tiny run folder into one of `family` (its model, and its corpus with its special tokens)."""
+    from cona_cli.config import config_from_dict
+    from launch.data import prepare_corpus
+    from launch.models import get_spec
+
+    cfg = config_from_dict({**TINY, "model": {**TINY["model"], "family": family, **FAMILY_MODEL[family]}}, "tiny")
+    (run_dir / "config.resolved.json").write_text(json.dumps(cfg.to_raw()))
+    corpus = prepare_corpus(cfg.data, seed=cfg.train.seed, special_tokens=get_spec(family).special_tokens)
+    (run_dir / "corpus.json").write_text(corpus.to_json())
+
+
+FAMILY_MODEL = {"gpt": {}, "llama": {"n_heads": 8, "n_kv_heads": 4}, "bert": {}}
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("nproc,layouts", [(4, "2-2-1,1-2-2"), (2, "1-1-2,2-1-1")])
-def test_shard_sums_equal_single_process(tiny_run_dir: Path, nproc: int, layouts: str) -> None:
+@pytest.mark.parametrize(
+    "nproc,layouts,family",
+    [(4, "2-2-1,1-2-2", "gpt"), (2, "1-1-2,2-1-1", "gpt"), (4, "1-2-2,2-1-2", "llama"), (4, "1-2-2,2-1-2", "bert")],
+)
+def test_shard_sums_equal_single_process(tiny_run_dir: Path, nproc: int, layouts: str, family: str) -> None:
+    """Tied embeddings (gpt, bert) under pp > 1 count once: summed end-stage copies, first micro-batch too."""
+    if family != "gpt":
+        _family_run_dir(tiny_run_dir, family)
     if nproc == 2:  # the tiny config has 4 ranks; this job runs on 2
         cfg = json.loads((tiny_run_dir / "config.resolved.json").read_text())
         cfg["cluster"]["procs_per_node"] = 2

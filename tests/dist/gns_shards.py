@@ -24,20 +24,20 @@ MBS, GBS = 2, 16
 def reference(cfg, corpus: CorpusInfo, s: Strategy) -> tuple[float, float]:
     """Single process: (|G|^2, tr(Sigma)) raw estimates for the first step under strategy s."""
     m = cfg.model
-    model = get_spec(m.family).build(m, corpus.vocab_size)
+    spec = get_spec(m.family)
+    model = spec.build(m, corpus.vocab_size)
     model.init_weights(cfg.train.seed)
-    stream = TokenStream(corpus.train_path, m.seq_len, cfg.train.seed)
+    stream = TokenStream(corpus.train_path, m.seq_len, cfg.train.seed, spec.batch(corpus.vocab_size))
 
     def grad_sq(x: torch.Tensor, y: torch.Tensor) -> float:
         model.zero_grad()
-        get_spec(m.family).loss(model(x), y).backward()
+        spec.loss(model(x), y).backward()
         return float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
 
     big = grad_sq(*stream.samples(0, s.gbs))
     if s.dp > 1:
-        parts = [torch.cat([mb[0] for mb in replica_microbatches(stream, 0, s.gbs, s.dp, r, s.mbs)]) for r in range(s.dp)]
-        ys = [torch.cat([mb[1] for mb in replica_microbatches(stream, 0, s.gbs, s.dp, r, s.mbs)]) for r in range(s.dp)]
-        small = sum(grad_sq(x, y) for x, y in zip(parts, ys)) / s.dp
+        replicas = [replica_microbatches(stream, 0, s.gbs, s.dp, r, s.mbs) for r in range(s.dp)]
+        small = sum(grad_sq(torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])) for mbs in replicas) / s.dp
         return two_batch_estimate(s.gbs // s.dp, small, s.gbs, big)
     x, y = replica_microbatches(stream, 0, s.gbs, 1, 0, s.mbs)[0]  # dp = 1: the first micro-batch
     return two_batch_estimate(s.mbs, grad_sq(x, y), s.gbs, big)
@@ -52,8 +52,12 @@ def main() -> None:
         w = Worker(cfg, run_dir, s, launch=1)
         noise = w.train_step(False).noise
         ref = reference(cfg, corpus, s)
-        results[str(s)] = {"grad_sq": noise["grad_sq_raw"], "trace": noise["trace_raw"],
-                           "ref_grad_sq": ref[0], "ref_trace": ref[1]}
+        results[str(s)] = {
+            "grad_sq": noise["grad_sq_raw"],
+            "trace": noise["trace_raw"],
+            "ref_grad_sq": ref[0],
+            "ref_trace": ref[1],
+        }
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -27,8 +27,12 @@ from tests.dist.common import start
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (1, 4, 1)]
 STEPS = 3
 FSDP_LAYOUTS = [(2, 2, 1), (2, 1, 2)]
-RESHARD = [((2, 2, 1, 2, 16), (4, 1, 1, 2, 16)), ((4, 1, 1, 2, 16), (1, 2, 2, 2, 16)),
-           ((2, 1, 2, 2, 16), (1, 1, 4, 2, 16)), ((2, 2, 1, 2, 16), (2, 1, 2, 1, 32))]
+RESHARD = [
+    ((2, 2, 1, 2, 16), (4, 1, 1, 2, 16)),
+    ((4, 1, 1, 2, 16), (1, 2, 2, 2, 16)),
+    ((2, 1, 2, 2, 16), (1, 1, 4, 2, 16)),
+    ((2, 2, 1, 2, 16), (2, 1, 2, 1, 32)),
+]
 
 
 def reference_losses(cfg, corpus: CorpusInfo, gbs: int, steps: int) -> tuple[list[float], list[float]]:
@@ -115,10 +119,19 @@ def main() -> None:
         wb.restore(path)
         after, loss_b = full_state(wb), wb.evaluate()[0]
         max_diff = max(float((before[k] - after[k]).abs().max()) for k in before)
-        results["reshard"].append({"from": str(Strategy(*a)), "to": str(Strategy(*b)), "keys": len(before),
-                                   "same_keys": sorted(before) == sorted(after), "max_abs_diff": max_diff,
-                                   "loss_before": loss_a, "loss_after": loss_b, "step": wb.state.step,
-                                   "consumed": wb.state.consumed_samples})
+        results["reshard"].append(
+            {
+                "from": str(Strategy(*a)),
+                "to": str(Strategy(*b)),
+                "keys": len(before),
+                "same_keys": sorted(before) == sorted(after),
+                "max_abs_diff": max_diff,
+                "loss_before": loss_a,
+                "loss_after": loss_b,
+                "step": wb.state.step,
+                "consumed": wb.state.consumed_samples,
+            }
+        )
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
