@@ -32,6 +32,7 @@ from cona_cli.planner.workload import Workload
 from cona_cli.strategy import Strategy
 
 ADAM_BYTES_PER_PARAM = 28  # AdamW touches master weight, grad, m, v: 4 reads + 3 writes of 4 bytes
+GRAD_BYTES = 4  # fp32 gradients (fp32 master weights under bf16 too)
 
 
 def as_array(strategies: list[Strategy]) -> np.ndarray:
@@ -103,16 +104,22 @@ def iteration_time(x: np.ndarray, w: Workload, hw: HardwareProfile) -> np.ndarra
     dp_local = dp * tp <= ppn
     dp_bw = np.where(dp_local, intra_bw, inter_bw / np.minimum(tp, ppn))  # tp DP rings share a NIC
     dp_lat = np.where(dp_local, intra_lat, inter_lat)
-    grad_bytes = local_params * w.act_bytes
+    grad_bytes = local_params * GRAD_BYTES  # gradients are fp32 under every precision
     stage = stage_work * contention + stage_wait  # one micro-batch of a stage with all processes busy
-    if w.dp_impl == "fsdp":  # all-gather before forward and backward of every micro-batch, reduce-scatter
-        gather = np.where(dp > 1, (dp - 1) / dp * grad_bytes / dp_bw + (dp - 1) * dp_lat, 0.0)
-        dp_comm = (2 * m + 1) * gather
+    if w.dp_impl == "fsdp":  # all-gather (compute precision) before forward and backward of every
+        # micro-batch, one reduce-scatter of the fp32 gradients
+
+        def sharded(nbytes: np.ndarray) -> np.ndarray:
+            return np.where(dp > 1, (dp - 1) / dp * nbytes / dp_bw + (dp - 1) * dp_lat, 0.0)
+
+        dp_comm = 2 * m * sharded(local_params * w.act_bytes) + sharded(grad_bytes)
         hideable = pipeline
         optimizer_params = local_params / dp
     else:
         dp_comm = ring_allreduce_s(dp, grad_bytes, dp_bw, dp_lat)
-        hideable = (passes - 1) / passes * stage  # backward of the last micro-batch
+        # DDP hides its bucketed all-reduce behind the last micro-batch's backward; under TP or PP the
+        # engine averages in one flat all-reduce after the backward passes, with nothing to hide behind.
+        hideable = np.where((tp > 1) | (pp > 1), 0.0, (passes - 1) / passes * stage)
         optimizer_params = local_params
     exposed = dp_comm - np.minimum(hw.overlap * dp_comm, hideable)
     optimizer = optimizer_params * ADAM_BYTES_PER_PARAM / (hw.mem_bw_gbs * 1e9)

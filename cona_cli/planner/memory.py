@@ -1,35 +1,61 @@
-"""Peak memory per device of a strategy, as the planner estimates it (feasibility)."""
+"""Peak memory per device of a strategy, as the planner estimates it (feasibility), counting what the
+engine keeps: fp32 master weights, gradients and AdamW moments, the activations autograd saves (checked
+against `saved_tensors_hooks` counts in tests/test_activation_memory.py), logits gathered whole."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
 from cona_cli.planner.workload import Workload
+from launch.models.shape import ModelShape
+
+STATE_BYTES = 16  # per parameter: fp32 weight, fp32 gradient, fp32 AdamW moments m and v
+GRAD_BYTES = 4  # gradients are fp32 under every precision (master weights)
+
+
+def layer_activation_bytes(shape: ModelShape, mbs: Any, tp: Any, act_bytes: int) -> Any:
+    """Bytes one layer saves for backward per micro-batch: per token the two norms' inputs and outputs
+    (4h, replicated under TP), q, k, v, the attention output and its reshaped copy ((3 + 2 kv/n) h / tp;
+    SDPA keeps no score matrix), and the MLP's hidden tensors (2 ffn / tp for GELU: its input and output;
+    4 ffn / tp gated: gate, up, activation and product). Without dropout masks (dropout 0)."""
+    h = shape.d_model
+    attention = (3 + 2 * shape.kv_heads / shape.n_heads) * h
+    mlp = (2 if shape.mlp_matrices == 2 else 4) * shape.ffn
+    return mbs * shape.seq_len * act_bytes * (4 * h + (attention + mlp) / tp)
 
 
 def memory_bytes(x: np.ndarray, w: Workload) -> np.ndarray:
     """Peak bytes per device (without the runtime reservation) for rows x = (dp, tp, pp, mbs, gbs).
 
-    Model states: 16 bytes per parameter for AdamW in fp32 or mixed precision (weights + grads +
-    fp32 master/moments), sharded over dp under FSDP. Activations per layer and micro-batch after
-    Korthikanti et al. 2022 without the s^2 score term (SDPA / flash attention keeps no scores):
-    s*b*h*(10 + 24/tp) bytes at 2-byte precision; with recomputation only each layer's input plus
-    one layer's working set. 1F1B keeps up to pp micro-batches in flight on stage 0, GPipe all m;
-    the last stage also holds fp32 logits and their gradient for one micro-batch.
+    Model states: 16 bytes per parameter (fp32 weights, gradients and moments under fp32 and bf16 alike),
+    sharded over dp under FSDP, plus two gathered layers in the compute precision; under bf16 without
+    FSDP, autocast's compute-precision copies of the weights. When dp > 1 and the gradients are averaged
+    by one flat all-reduce (DDP under TP or PP), that flat fp32 copy. Activations: what each layer saves
+    (`layer_activation_bytes`); with recomputation only each layer's input plus one layer's working set.
+    1F1B keeps up to pp micro-batches in flight on stage 0, GPipe all m. The last stage holds the logits
+    gathered whole on every TP rank, their fp32 copy and gradient, for one micro-batch.
     """
     dp, tp, pp, mbs, gbs = (x[:, i].astype(np.float64) for i in range(5))
-    shape = w.shape
+    shape, e = w.shape, w.act_bytes
     m = gbs / (dp * mbs)
-    states = w.stage_params(tp, pp) * 16
+    params = w.stage_params(tp, pp)
+    states = params * STATE_BYTES
     if w.dp_impl == "fsdp":
-        states = states / dp + 2 * shape.layer_params / tp * 2 * w.act_bytes  # plus two gathered layers
-    sbh = shape.seq_len * mbs * shape.d_model * w.act_bytes / 2
-    full_layer = sbh * (10 + 24 / tp)
+        states = states / dp + 2 * shape.layer_params / tp * e  # plus two gathered layers
+    else:
+        if e != 4:
+            states = states + params * e  # autocast's casts of the weights
+        flat = (dp > 1) & ((tp > 1) | (pp > 1))
+        states = states + np.where(flat, params * GRAD_BYTES, 0.0)
+    full_layer = layer_activation_bytes(shape, mbs, tp, e)
     layers = shape.n_layers / pp
-    per_microbatch = layers * 2 * sbh + full_layer if w.recompute else layers * full_layer
+    layer_input = mbs * shape.seq_len * shape.d_model * e
+    per_microbatch = layers * layer_input + full_layer if w.recompute else layers * full_layer
     first_in_flight = np.where(pp == 1, 1, np.minimum(pp, m) if w.pp_schedule == "1f1b" else m)
     last_in_flight = np.where(pp == 1, 1, 1 if w.pp_schedule == "1f1b" else m)
-    logits = 2 * mbs * shape.seq_len * shape.vocab / tp * 4
+    logits = mbs * shape.seq_len * shape.vocab * (e + 2 * 4 if e != 4 else 2 * 4)
     first = first_in_flight * per_microbatch + np.where(pp == 1, logits, 0.0)
     last = last_in_flight * per_microbatch + logits
     return states + np.maximum(first, last)

@@ -22,6 +22,12 @@ class Space:
     memory_gib: np.ndarray
     rejected: list[tuple[Strategy, str]]
 
+    def without(self, strategies: set[Strategy], reason: str) -> Space:
+        """This space with `strategies` moved to the rejected ones, for `reason`."""
+        keep = [i for i, s in enumerate(self.feasible) if s not in strategies]
+        dropped = [(s, reason) for s in self.feasible if s in strategies]
+        return Space([self.feasible[i] for i in keep], self.memory_gib[keep], self.rejected + dropped)
+
     def at_gbs(self, gbs: int) -> Space:
         keep = [i for i, s in enumerate(self.feasible) if s.gbs == gbs]
         return Space(
