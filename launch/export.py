@@ -77,20 +77,24 @@ def bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def byte_tokenizer() -> Tokenizer:
-    """The `tokenizer: byte` encoding as a tokenizers JSON: token id = the UTF-8 byte, no merges."""
+def byte_tokenizer(special_tokens: tuple[str, ...]) -> Tokenizer:
+    """The `tokenizer: byte` encoding as a tokenizers JSON: token id = the UTF-8 byte, no merges; the
+    family's special tokens take ids 256, 257, ... as in the corpus."""
     vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(special_tokens))
     return tok
 
 
-def write_tokenizer(tokenizer_path: str | None, seq_len: int, out: Path) -> dict[str, int]:
+def write_tokenizer(
+    tokenizer_path: str | None, special_tokens: tuple[str, ...], seq_len: int, out: Path
+) -> dict[str, int]:
     """tokenizer.json (copied, or the byte-level one when `tokenizer_path` is None) and
     tokenizer_config.json; returns the ids of its special tokens by role (`bos_token_id`, ...)."""
     if tokenizer_path is None:
-        byte_tokenizer().save(str(out / "tokenizer.json"))
+        byte_tokenizer(special_tokens).save(str(out / "tokenizer.json"))
     else:
         if not Path(tokenizer_path).is_file():
             raise ExportError(f"{tokenizer_path}: the run's tokenizer is missing (corpus cache removed?)")
@@ -143,7 +147,7 @@ def export(
     """Write checkpoint `ckpt` in format `fmt` (hf or torch) into the existing empty folder `out`."""
     hf = hf_mapping(m.family) if fmt == "hf" else None
     state = consolidated_state(ckpt, m, vocab_size)
-    token_ids = write_tokenizer(tokenizer_path, m.seq_len, out)
+    token_ids = write_tokenizer(tokenizer_path, get_spec(m.family).special_tokens, m.seq_len, out)
     if hf is not None:
         write_hf(hf, state, m, vocab_size, token_ids, out)
     else:

@@ -48,7 +48,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
             doc = {**TINY, "model": model, "strategy": None, "train": {**TINY["train"], "max_steps": None}}
             cfg = write_config(base / "tiny.yaml", doc)
             (base / "chain.yaml").write_text(yaml.safe_dump({"chain": CHAIN}))
-            proc = _cona("train", str(cfg), "--chain", str(base / "chain.yaml"), "--run-dir", str(base / "run"))
+            proc = _cona(
+                "train", str(cfg), "--chain", str(base / "chain.yaml"), "--run-dir", str(base / "run"), timeout=300
+            )
             assert proc.returncode == 0, proc.stderr[-3000:]
             runs[family] = base / "run"
         return runs[family]
@@ -68,6 +70,7 @@ def _cona_logits(out: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", _families())
+@pytest.mark.filterwarnings("ignore:torch.distributed is unavailable")  # DCP read in one process, as meant
 def test_hf_export_matches_cona(family: str, trained: Callable[[str], Path], tmp_path: Path) -> None:
     import transformers
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
@@ -90,7 +93,7 @@ def test_hf_export_matches_cona(family: str, trained: Callable[[str], Path], tmp
     assert json.loads((tmp_path / "torch" / "cona.json").read_text())["step"] == 4
 
     hf = get_spec(family).hf
-    model = getattr(transformers, hf.architecture).from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    model = getattr(transformers, hf.architecture).from_pretrained(tmp_path / "hf").float()
     vocab = json.loads((run / "corpus.json").read_text())["vocab_size"]
     tokens = torch.randint(0, vocab, (2, TINY["model"]["seq_len"]), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -104,6 +107,9 @@ def test_hf_export_matches_cona(family: str, trained: Callable[[str], Path], tmp
     text = "tha brou, kai.\n"
     assert tok(text)["input_ids"] == list(text.encode())  # the byte-level run: one id per byte
     assert tok.decode(list(text.encode())) == text
+    specials = get_spec(family).special_tokens  # the ids after the corpus's, as in training
+    assert tok.convert_tokens_to_ids(list(specials)) == list(range(vocab - len(specials), vocab))
+    assert ("[MASK]" in specials) == (tok.mask_token == "[MASK]")
 
 
 def test_export_refuses_and_writes_nothing(trained: Callable[[str], Path], tmp_path: Path) -> None:
