@@ -6,8 +6,15 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
+# torch first, the version the tests ran with, from a local wheel when there is one (TORCH_WHEELS):
+# pyproject accepts a range so that a cluster keeps its own CUDA build, and a range alone would let pip
+# download a multi-GB CUDA build here.
+TORCH_VERSION := 2.13.0
+TORCH_WHEELS ?= /opt/wheels
+
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(or $(firstword $(wildcard $(TORCH_WHEELS)/torch-$(TORCH_VERSION)*.whl)),torch==$(TORCH_VERSION))
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 

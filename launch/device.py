@@ -84,6 +84,13 @@ def peak_memory(device: torch.device) -> list[float]:
     return [float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), 0.0]  # Linux: KiB
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak (CUDA only: a process's peak resident set cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def is_out_of_memory(e: BaseException) -> bool:
     """A CUDA out-of-memory error, or the CPU allocator failing to allocate."""
     return isinstance(e, torch.OutOfMemoryError) or (

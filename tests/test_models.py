@@ -61,3 +61,18 @@ def test_planner_shape_counts_the_built_model(family: str) -> None:
     m = MODEL[family]
     model = get_spec(family).build(m, VOCAB)
     assert model_shape(m, VOCAB).total_params == sum(p.numel() for p in model.parameters())
+
+
+def test_report_says_mlm_ppl_for_bert_runs() -> None:
+    from pathlib import Path
+
+    from cona_cli.commands.report_command import ttp_rows
+    from cona_cli.report.build import build_report
+    from cona_cli.report.runlog import RunLog
+
+    def log(family: str) -> RunLog:
+        return RunLog(Path(family), (), (), (), None, None, (), family=family)
+
+    headers, _ = ttp_rows(build_report([log("bert")], targets=[20.0]), " ")
+    assert "MLM ppl ≤ 20" in headers and "final MLM ppl" in headers
+    assert "final ppl" in ttp_rows(build_report([log("gpt")], targets=[20.0]), " ")[0]

@@ -52,10 +52,11 @@ def _target_cell(t: TargetResult, sep: str) -> str:
 
 def ttp_rows(report: Report, sep: str) -> Rows:
     """The time-to-perplexity table: one row per run, one column per target (and speed-up)."""
-    headers = ["run", "policy"] + [f"ppl ≤ {t:.4g}" for t in report.targets]
+    ppl = report.ppl_label
+    headers = ["run", "policy"] + [f"{ppl} ≤ {t:.4g}" for t in report.targets]
     if report.baseline:
         headers += [f"speed-up ≤ {t:.4g}" for t in report.targets]
-    headers += ["wall", "steps", "tokens", "switches", "switch overhead", "final ppl", "exit"]
+    headers += ["wall", "steps", "tokens", "switches", "switch overhead", f"final {ppl}", "exit"]
     rows = []
     for r in report.runs:
         row = [r.name, r.policy or "-"] + [_target_cell(t, sep) for t in r.targets]
@@ -115,10 +116,10 @@ def timeline_rows(run: RunReport) -> Rows:
 
 def _caption(report: Report) -> str:
     if not report.targets:
-        return "target ppl: none (no evaluations yet)"
+        return f"target {report.ppl_label}: none (no evaluations yet)"
     targets = ", ".join(f"{t:.4g}" for t in report.targets)
     base = f"; speed-up against {report.baseline}" if report.baseline else ""
-    return f"target ppl: {targets} ({report.target_source}){base}"
+    return f"target {report.ppl_label}: {targets} ({report.target_source}){base}"
 
 
 def format_table(report: Report, console: Console) -> None:

@@ -74,6 +74,7 @@ class Report:
     target_source: str  # "flag", "config", "best reached by every run" or "none"
     baseline: str | None
     runs: tuple[RunReport, ...]
+    ppl_label: str = "ppl"  # "MLM ppl" when every run is a masked LM (bert): exp(mean loss over masked tokens)
 
 
 def _finite_evals(log: RunLog) -> list[EvalRow]:
@@ -279,4 +280,5 @@ def build_report(logs: Sequence[RunLog], targets: Sequence[float] = (), baseline
         target_source=source,
         baseline=runs[baseline].name if baseline is not None else None,
         runs=tuple(runs),
+        ppl_label="MLM ppl" if logs and all(log.family == "bert" for log in logs) else "ppl",
     )

@@ -69,6 +69,7 @@ class RunLog:
     seq_len: int | None
     target_ppl: float | None
     warnings: tuple[str, ...]
+    family: str | None = None  # model.family (bert: a masked LM, its perplexity over masked tokens)
 
     @property
     def name(self) -> str:
@@ -148,21 +149,22 @@ def _eval_row(row: Mapping[str, Any]) -> EvalRow:
     )
 
 
-def _config_summary(path: Path, warnings: list[str]) -> tuple[int | None, float | None]:
-    """(model.seq_len, train.target_ppl) from config.resolved.json, None where absent."""
+def _config_summary(path: Path, warnings: list[str]) -> tuple[int | None, float | None, str | None]:
+    """(model.seq_len, train.target_ppl, model.family) from config.resolved.json, None where absent."""
     if not path.exists():
-        return None, None
+        return None, None, None
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         warnings.append(f"{path}: unreadable ({e}); seq_len and target_ppl unknown")
-        return None, None
+        return None, None, None
     if not isinstance(cfg, dict):
-        return None, None
+        return None, None, None
     model, train = cfg.get("model"), cfg.get("train")
     seq_len = _int(model, "seq_len") if isinstance(model, dict) else None
     target = _num(train, "target_ppl") if isinstance(train, dict) else None
-    return seq_len, target
+    family = model.get("family") if isinstance(model, dict) and isinstance(model.get("family"), str) else None
+    return seq_len, target, family
 
 
 def read_run(path: Path) -> RunLog:
@@ -193,7 +195,7 @@ def read_run(path: Path) -> RunLog:
             events.append(Event(row["kind"], time, row))
         else:
             warnings.append(f"{events_path}: skipped an event without kind or time")
-    seq_len, target = _config_summary(run.resolved_config, warnings)
+    seq_len, target, family = _config_summary(run.resolved_config, warnings)
     return RunLog(
         path=path,
         steps=tuple(steps),
@@ -202,4 +204,5 @@ def read_run(path: Path) -> RunLog:
         seq_len=seq_len,
         target_ppl=target,
         warnings=tuple(warnings),
+        family=family,
     )
