@@ -444,13 +444,21 @@ class Controller:
         waits for it, and this job's devices need not be freed first (CPU ranks; GPU memory must be)."""
         if self.signal_received is not None or self.standby is None or not outcome_path.is_file():
             return False
-        if self.cfg.cluster.backend == "nccl" or not self.standby.alive():
+        if self._may_hold_gpus() or not self.standby.alive():
             return False
         try:
             reason = json.loads(outcome_path.read_text())["reason"]
         except (OSError, ValueError, KeyError):
             return False
         return reason == "stage_end" or (reason == "command" and requested is not None)
+
+    def _may_hold_gpus(self) -> bool:
+        """Whether ranks may hold GPU memory that the next job needs freed: NCCL, or `auto` where this
+        machine has NVIDIA devices or the nodes are other machines (their devices are not visible here)."""
+        c = self.cfg.cluster
+        if c.backend != "auto":
+            return c.backend == "nccl"
+        return c.launcher != "local" or any(Path("/dev").glob("nvidia[0-9]*"))
 
     def _drop_standby(self) -> None:
         if self.standby is not None:
