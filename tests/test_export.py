@@ -1,5 +1,6 @@
-"""`cona export` on a real run that trained under TP, then PP: transformers loads the Hugging Face folder
-and its logits equal cona's, the torch file is the checkpoint, and a bad request writes nothing."""
+"""`cona export` on a real run that trained under TP and PP (dp1-tp2-pp2, one launch): transformers loads
+the Hugging Face folder and its logits equal cona's, the torch file is the checkpoint, and a bad request
+writes nothing. (Resharding between layouts is tests/test_layouts.py's.)"""
 
 from __future__ import annotations
 
@@ -12,16 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from tests.support import REPO, TINY, write_config
 
 pytestmark = pytest.mark.e2e
 
-CHAIN = [
-    {"dp": 2, "tp": 2, "pp": 1, "mbs": 2, "gbs": 8, "steps": 2},
-    {"dp": 2, "tp": 1, "pp": 2, "mbs": 2, "gbs": 8, "steps": 2},
-]
+STRATEGY = "dp1-tp2-pp2-mbs2-gbs8"
 MODEL = {"llama": {"n_kv_heads": 2}}  # per-family additions to the tiny model (GQA for llama)
 
 
@@ -38,19 +35,16 @@ def _cona(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """The run folder of a family, trained on first use: 2 steps under dp2-tp2, then 2 under dp2-pp2."""
+    """The run folder of a family, trained on first use: 4 steps under dp1-tp2-pp2."""
     runs: dict[str, Path] = {}
 
     def run(family: str) -> Path:
         if family not in runs:
             base = tmp_path_factory.mktemp(f"run-{family}")
             model = {**TINY["model"], "family": family, **MODEL.get(family, {})}
-            doc = {**TINY, "model": model, "strategy": None, "train": {**TINY["train"], "max_steps": None}}
+            doc = {**TINY, "model": model, "strategy": STRATEGY, "train": {**TINY["train"], "max_steps": 4}}
             cfg = write_config(base / "tiny.yaml", doc)
-            (base / "chain.yaml").write_text(yaml.safe_dump({"chain": CHAIN}))
-            proc = _cona(
-                "train", str(cfg), "--chain", str(base / "chain.yaml"), "--run-dir", str(base / "run"), timeout=300
-            )
+            proc = _cona("train", str(cfg), "--run-dir", str(base / "run"), timeout=300)
             assert proc.returncode == 0, proc.stderr[-3000:]
             runs[family] = base / "run"
         return runs[family]
