@@ -131,7 +131,9 @@ class ClusterConfig:
     srun_args: list[str] = _empty(list)  # extra srun options
     sbatch_options: list[str] = _empty(list)  # #SBATCH lines for `cona train --sbatch`
     probe_timeout_s: float = _f(30.0, _positive)  # how long nodes wait to see each other's probe files
-    standby: bool = _f(True)  # pre-warm the next launch while one trains, so switches skip start-up
+    # Pre-warm the next launch while one trains, so switches skip start-up: true, false, or auto (on where
+    # the nodes have spare cores for it: GPU nodes, remote nodes; off where CPU ranks fill this machine).
+    standby: bool | str = _f("auto", lambda v: None if v in (True, False, "auto") else "must be true, false or auto")
     startup_timeout_s: float = _f(1800.0, _positive)  # collective timeout until the first step is through
     collective_timeout_s: float = _f(600.0, _positive)  # collective timeout after the first step
     hosts: tuple[NodeSpec, ...] = field(default=(), metadata={"yaml": False})  # `ssh`: from `nodes`
