@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInputOutput, RowwiseParallel
 
 from launch.models.spec import IGNORE_INDEX
 
@@ -59,6 +59,16 @@ class TiedHead(nn.Module):
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(h, weight)
+
+
+def block_tp_plan(layer_ids: list[str], colwise: tuple[str, ...], rowwise: tuple[str, ...]) -> dict[str, ParallelStyle]:
+    """Megatron's plan for the blocks a stage holds: the projections into attention and MLP column-parallel,
+    the ones out of them row-parallel (one all-reduce each)."""
+    plan: dict[str, ParallelStyle] = {}
+    for i in layer_ids:
+        plan |= {f"layers.{i}.{name}": ColwiseParallel() for name in colwise}
+        plan |= {f"layers.{i}.{name}": RowwiseParallel() for name in rowwise}
+    return plan
 
 
 def tied_head_style() -> ParallelStyle:

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from cona_cli.config import ModelConfig
-from launch.models.common import TiedHead, keep_stage, lm_loss, normal_init, tied_head_style
+from launch.models.common import TiedHead, block_tp_plan, keep_stage, lm_loss, normal_init, tied_head_style
 from launch.models.shape import gpt_shape
 from launch.models.spec import HFExport, ModelSpec, causal_lm_batch
 
@@ -109,15 +109,11 @@ def tp_plan(model: GPT) -> dict[str, ParallelStyle]:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
     if model.output is not None:
         plan["output"] = tied_head_style()
-    for i in model.layers:
-        plan |= {
-            f"layers.{i}.attention.wq": ColwiseParallel(),
-            f"layers.{i}.attention.wk": ColwiseParallel(),
-            f"layers.{i}.attention.wv": ColwiseParallel(),
-            f"layers.{i}.attention.wo": RowwiseParallel(),
-            f"layers.{i}.feed_forward.w1": ColwiseParallel(),
-            f"layers.{i}.feed_forward.w2": RowwiseParallel(),
-        }
+    plan |= block_tp_plan(
+        list(model.layers),
+        colwise=("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"),
+        rowwise=("attention.wo", "feed_forward.w2"),
+    )
     return plan
 
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from cona_cli.config import ModelConfig
-from launch.models.common import keep_stage, lm_loss, normal_init
+from launch.models.common import block_tp_plan, keep_stage, lm_loss, normal_init
 from launch.models.shape import llama_shape
 from launch.models.spec import HFExport, ModelSpec, causal_lm_batch
 
@@ -129,16 +129,11 @@ def tp_plan(model: Llama) -> dict[str, ParallelStyle]:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
     if model.output is not None:
         plan["output"] = ColwiseParallel(output_layouts=Replicate())
-    for i in model.layers:
-        plan |= {
-            f"layers.{i}.attention.wq": ColwiseParallel(),
-            f"layers.{i}.attention.wk": ColwiseParallel(),
-            f"layers.{i}.attention.wv": ColwiseParallel(),
-            f"layers.{i}.attention.wo": RowwiseParallel(),
-            f"layers.{i}.feed_forward.w1": ColwiseParallel(),
-            f"layers.{i}.feed_forward.w3": ColwiseParallel(),
-            f"layers.{i}.feed_forward.w2": RowwiseParallel(),
-        }
+    plan |= block_tp_plan(
+        list(model.layers),
+        colwise=("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"),
+        rowwise=("attention.wo", "feed_forward.w2"),
+    )
     return plan
 
 
