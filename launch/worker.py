@@ -209,7 +209,11 @@ class Worker:
     def _reduce(self, values: list[torch.Tensor | float]) -> list[float]:
         """Sum a few scalars (host numbers or 0-d device tensors) over all ranks with one all-reduce on the
         rank's device, and read them: the one host sync of a step."""
-        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values])
+        t = torch.tensor([0.0 if isinstance(v, torch.Tensor) else v for v in values], dtype=torch.float64)
+        t = t.to(self.device)  # one host-to-device copy for the host numbers
+        for i, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                t[i] = v
         dist.all_reduce(t)
         return t.tolist()
 

@@ -32,8 +32,8 @@ from cona_cli.config import Config
 from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.failures import Failure, failed_host, parse_failure
 from cona_cli.control.policies import Policy, Stage
-from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict
-from cona_cli.control.standby import LOW_PRIORITY, Standby, standby_args, standby_wanted
+from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict, write_atomic
+from cona_cli.control.standby import LOW_PRIORITY, Standby, may_use_gpus, standby_args, standby_wanted
 from cona_cli.control.telemetry_server import TelemetryServer
 from cona_cli.control.tensorboard_log import TensorBoardLog
 from cona_cli.planner.costmodel import as_array
@@ -143,9 +143,9 @@ class Controller:
         self._shapes: checkpoints.Shapes | None = None
         self._dirty = False  # the last drain changed something worth saving
         self.standby: Standby | None = None  # the pre-warmed next launch, if one runs
-        self._warm_handover = False  # the running launch was handed to a standby that was ready
+        self._standby_wanted = standby_wanted(cfg.cluster)
         self._exiting: list[tuple[Agent, threading.Thread]] = []  # a switched-from job still shutting down
-        self._switch: dict[str, float] = {}  # run times of the running switch's phases
+        self._switch: dict[str, float | bool] = {}  # run times of the running switch's phases, standby flags
 
     # -- public ------------------------------------------------------------------------------
 
@@ -314,9 +314,7 @@ class Controller:
         vocab = self.files.vocab_size() if self.files.corpus.is_file() else None
         workload = Workload.from_config(self.cfg, vocab=vocab)
         estimates[str(strategy)] = float(memory_bytes(as_array([strategy]), workload)[0])
-        tmp = self.files.memory_estimate_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(estimates))
-        os.replace(tmp, self.files.memory_estimate_file)
+        write_atomic(self.files.memory_estimate_file, json.dumps(estimates))
 
     def _save_state(self, stage: Stage | None, prev: Prev | None) -> None:
         st = self.state
@@ -346,7 +344,6 @@ class Controller:
             reason=reason or stage.reason,
             standby=warm,
         )
-        self._warm_handover = warm and standby.ready_logged
         self.policy.standby_ready = False
         if warm:
             standby.hand_over(self.files, stage, resume)
@@ -356,7 +353,9 @@ class Controller:
         else:
             self._drop_standby()
             agents, pumps = self._start(self.launch, worker_args(self.run_dir, stage, self.launch, resume))
-        self._switch.update(handover=time.time() - self.run_start, standby=warm, standby_ready=self._warm_handover)
+        self._switch.update(
+            handover=time.time() - self.run_start, standby=warm, standby_ready=warm and standby.ready_logged
+        )
         self.state.agent_pids = [a.pid for a in agents]
         self._save_state(stage, prev)
         per_node = len(agents) > 1
@@ -409,7 +408,7 @@ class Controller:
 
     def _maybe_start_standby(self) -> None:
         """Once a launch is stepping, pre-warm the next one if a switch may come."""
-        if self.standby is not None or not standby_wanted(self.cfg.cluster) or not self.policy.may_switch():
+        if self.standby is not None or not self._standby_wanted or not self.policy.may_switch():
             return
         launch = self.launch + 1
         self.files.handover(launch).unlink(missing_ok=True)
@@ -444,21 +443,13 @@ class Controller:
         waits for it, and this job's devices need not be freed first (CPU ranks; GPU memory must be)."""
         if self.signal_received is not None or self.standby is None or not outcome_path.is_file():
             return False
-        if self._may_hold_gpus() or not self.standby.alive():
+        if may_use_gpus(self.cfg.cluster) or not self.standby.alive():
             return False
         try:
             reason = json.loads(outcome_path.read_text())["reason"]
         except (OSError, ValueError, KeyError):
             return False
         return reason == "stage_end" or (reason == "command" and requested is not None)
-
-    def _may_hold_gpus(self) -> bool:
-        """Whether ranks may hold GPU memory that the next job needs freed: NCCL, or `auto` where this
-        machine has NVIDIA devices or the nodes are other machines (their devices are not visible here)."""
-        c = self.cfg.cluster
-        if c.backend != "auto":
-            return c.backend == "nccl"
-        return c.launcher != "local" or any(Path("/dev").glob("nvidia[0-9]*"))
 
     def _drop_standby(self) -> None:
         if self.standby is not None:
@@ -568,16 +559,17 @@ class Controller:
             self.last_metric, self._dirty = msg, True
             if first_of_launch and prev is not None and prev[0] != stage.strategy:
                 seconds = msg["time"] - msg["iter_s"] - prev[1]["time"]
+                phases = self._switch_phases(msg, prev[1])
                 self.events.write(
                     "switch",
                     step=prev[1]["step"],
                     to=stage.strategy.to_dict(),
                     reason=stage.reason,
                     seconds=round(seconds, 4),
-                    **self._switch_phases(msg, prev[1]),
+                    **phases,
                     **{"from": prev[0].to_dict()},
                 )
-                self.policy.observe_switch(seconds, warm=bool(self._warm_handover))
+                self.policy.observe_switch(seconds, warm=phases["standby_ready"])
             if msg.get("launch") == self.launch:
                 self._maybe_start_standby()
             self._show(progress, stage)

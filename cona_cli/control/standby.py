@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,15 +27,24 @@ LOW_PRIORITY = ["nice", "-n", "19"]  # the standby's torchrun agent; its ranks g
 
 
 def standby_wanted(cluster: ClusterConfig, cores: int | None = None) -> bool:
-    """`cluster.standby`, with `auto` resolved: a standby imports torch in 5 processes (~15 CPU-seconds)
-    and then waits. Where CPU ranks already fill this machine's cores, that work comes out of training
-    (measured on 2 cores, 4 ranks: the job ran ~1.7x slower while a standby imported, ~1.1x while it
-    waited), so `auto` pre-warms only where the ranks leave cores free: GPU backends and remote nodes."""
+    """`cluster.standby`, with `auto` resolved: a standby imports torch in one process per rank plus its
+    torchrun agent, then waits. Where CPU ranks already fill this machine's cores, that work comes out of
+    training (bench_switch on 2 cores, 4 ranks: the job ran 1.77x slower beside a standby, and a single-run
+    probe 1.18x slower beside one that only waited), so `auto` pre-warms only where the ranks leave cores
+    free: GPU nodes and remote nodes."""
     if cluster.standby != "auto":
         return bool(cluster.standby)
-    if cluster.backend == "nccl" or cluster.launcher != "local":
+    if may_use_gpus(cluster) or cluster.launcher != "local":
         return True
     return (cores or os.cpu_count() or 1) >= 2 * cluster.procs_per_node * cluster.nodes
+
+
+def may_use_gpus(cluster: ClusterConfig) -> bool:
+    """Whether the ranks may hold GPUs: NCCL, or `auto` where this machine has NVIDIA devices or the nodes
+    are other machines (their devices are not visible from here)."""
+    if cluster.backend != "auto":
+        return cluster.backend == "nccl"
+    return cluster.launcher != "local" or any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def standby_args(run_dir: Path, launch: int) -> list[str]:
@@ -74,8 +84,6 @@ class Standby:
 
     def cancel(self, run: RunDir) -> None:
         """Tell the ranks to leave, and stop the agents (a standby holds no state worth saving)."""
-        import signal
-
         if not self.handed_over:
             write_atomic(run.handover(self.launch), json.dumps({"cancel": True}))
         for agent in self.agents:
