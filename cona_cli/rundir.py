@@ -17,6 +17,17 @@ MARKER = "COMMITTED"  # written last into a checkpoint folder: the checkpoint is
 TRAINER_STATE = "trainer.json"  # step, consumed samples, strategy, schedule and statistics state
 BAD_CHECKPOINT_EXIT = 3  # a worker that cannot load its checkpoint exits with this code
 OUT_OF_MEMORY_EXIT = 4  # a worker that ran out of device (or host) memory exits with this code
+PEER_LOST = (  # a rank's error when another rank died: gloo's and the TCP store's words, then NCCL's
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Connection refused",
+    "Connection was likely closed",
+    "ncclRemoteError",
+    "remote process exited or there was a network error",
+    "NCCL communicator was aborted",
+    "Watchdog caught collective operation timeout",
+    "Some NCCL operations have failed or timed out",
+)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """A pre-warmed job: torchrun starts it while another job trains, so the next switch skips start-up.
 
-`python -m launch.standby --run-dir RUN --launch N`: each rank lowers its priority and threads before
-importing anything heavy, imports torch and the worker, then waits, touching no model memory, until
-the controller writes `RUN/launches/NNN.handover.json` (strategy, checkpoint, stop step). It then
-takes its normal priority and threads back and runs the launch exactly as `launch.worker` would.
+`python -m launch.forkrun ... -m launch.standby --run-dir RUN --launch N`: the agent imports this
+module, and with it torch and the worker, once; each forked rank goes to idle scheduling and waits,
+touching no model memory, until the controller writes `RUN/launches/NNN.handover.json` (strategy,
+checkpoint, stop step). It then takes its normal scheduling back and runs the launch exactly as
+`launch.worker` would.
 It exits quietly if the hand-over says `cancel`, or if the controller is gone (its process, for local
 nodes; its state file untouched for `STALE_S`, elsewhere).
 """
@@ -13,28 +14,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
 
 from cona_cli.rundir import RunDir
+from cona_cli.strategy import Strategy
+from launch import worker
 
 POLL_S = 0.1  # a waiting rank wakes this often (at 20 ms, 4 waiting ranks slowed a 4-rank job ~8% on 2 cores)
 STALE_S = 900.0  # a controller that has not rewritten its state file for this long is gone
 
 
-def lower_priority() -> tuple[int, int]:
-    """Idle scheduling (else nice 19) for this process; returns (policy, nice) to restore."""
+def lower_priority() -> tuple[int, int] | None:
+    """Idle scheduling for this process where it can be undone (root, or RLIMIT_NICE allows the
+    current nice value back); returns the (policy, nice) to restore, None if left as it was."""
     old = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
+    if os.geteuid() != 0 and resource.getrlimit(resource.RLIMIT_NICE)[0] < 20 - old[1]:
+        return None
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, 19)
+        return None
     return old
 
 
-def restore_priority(old: tuple[int, int]) -> bool:
+def restore_priority(old: tuple[int, int] | None) -> bool:
     """Back to the scheduling a normal launch has; False where the system does not allow it."""
+    if old is None:
+        return True
     try:
         os.sched_setscheduler(0, old[0], os.sched_param(0))
         os.setpriority(os.PRIO_PROCESS, 0, old[1])
@@ -80,12 +89,6 @@ def main() -> None:
     parser.add_argument("--launch", required=True, type=int)
     args = parser.parse_args()
     old = lower_priority()
-    import torch  # the seconds a cold launch pays after the decision
-
-    from cona_cli.strategy import Strategy
-    from launch import worker
-
-    torch.set_num_threads(1)
     run = RunDir(args.run_dir)
     if os.environ.get("RANK") == "0":
         run.launches.mkdir(exist_ok=True)

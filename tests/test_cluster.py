@@ -107,7 +107,7 @@ def test_local_nodes_meet_in_a_c10d_rendezvous_hosted_by_node_0() -> None:
     assert host == "127.0.0.1" and int(port) > 0 and rdzv.host_node == 0
     argv = [torchrun_args(c, n, rdzv) for n in nodes]
     for i, a in enumerate(argv):
-        assert a[:3] == [sys.executable, "-m", "torch.distributed.run"]
+        assert a[:3] == [sys.executable, "-m", "launch.forkrun"]
         assert {
             "--nnodes=2",
             "--nproc-per-node=2",

@@ -94,11 +94,12 @@ def rendezvous(cluster: ClusterConfig, nodes: list[Node], run_id: str) -> Rendez
 
 
 def torchrun_args(cluster: ClusterConfig, node: Node | None, rdzv: Rendezvous | None) -> list[str]:
-    """`python -m torch.distributed.run ...` for one node (`node` None: the same line for all nodes)."""
+    """`python -m launch.forkrun ...` (torchrun's flags; ranks forked from one import) for one node
+    (`node` None: the same line for all nodes)."""
     args = [
         cluster.python or sys.executable,
         "-m",
-        "torch.distributed.run",
+        "launch.forkrun",
         "--tee",
         "3",
         f"--nproc-per-node={cluster.procs_per_node}",

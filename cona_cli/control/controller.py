@@ -33,7 +33,7 @@ from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.failures import Failure, failed_host, parse_failure
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict, write_atomic
-from cona_cli.control.standby import LOW_PRIORITY, Standby, may_use_gpus, standby_args, standby_wanted
+from cona_cli.control.standby import Standby, may_use_gpus, standby_args, standby_wanted
 from cona_cli.control.telemetry_server import TelemetryServer
 from cona_cli.control.tensorboard_log import TensorBoardLog
 from cona_cli.planner.costmodel import as_array
@@ -378,9 +378,9 @@ class Controller:
         agent, path, failure = next((r for r in parsed if not r[2].knock_on), parsed[0])
         return LaunchResult(failure.exit_code, outcome, agent, failure, path), requested
 
-    def _start(self, launch: int, tail: list[str], standby: bool = False) -> tuple[list[Agent], list[threading.Thread]]:
+    def _start(self, launch: int, tail: list[str]) -> tuple[list[Agent], list[threading.Thread]]:
         """Start torchrun on every node (its own rendezvous) running `tail`; its output pumped to the
-        launch's logs. A standby's agents run at low priority."""
+        launch's logs."""
         c = self.cfg.cluster
         rdzv = rendezvous(c, self.nodes, f"cona-{self.telemetry.token[:8]}-{launch}") if self.multi_node else None
         env = {
@@ -391,8 +391,7 @@ class Controller:
         }
         if c.launcher == "local":
             env["CONA_CONTROLLER_PID"] = str(os.getpid())  # a standby leaves when the controller is gone
-        prefix = LOW_PRIORITY if standby else []
-        agents = self.launcher.start(self.nodes, lambda node: prefix + torchrun_args(c, node, rdzv) + tail, env)
+        agents = self.launcher.start(self.nodes, lambda node: torchrun_args(c, node, rdzv) + tail, env)
         per_node = len(agents) > 1  # one log per node, lines shown prefixed by the node
         pumps = [
             threading.Thread(
@@ -413,7 +412,7 @@ class Controller:
         launch = self.launch + 1
         self.files.handover(launch).unlink(missing_ok=True)
         self.files.standby_ready(launch).unlink(missing_ok=True)
-        agents, pumps = self._start(launch, standby_args(self.run_dir, launch), standby=True)
+        agents, pumps = self._start(launch, standby_args(self.run_dir, launch))
         self.standby = Standby(launch, agents, pumps)
         self.state.standby_pids = [a.pid for a in agents]
         self.events.write("standby", launch=launch)
@@ -439,11 +438,10 @@ class Controller:
         }
 
     def _switch_committed(self, outcome_path: Path, requested: Stage | None) -> bool:
-        """Whether the running job has saved the checkpoint the next launch starts from, a live standby
-        waits for it, and this job's devices need not be freed first (CPU ranks; GPU memory must be)."""
-        if self.signal_received is not None or self.standby is None or not outcome_path.is_file():
-            return False
-        if may_use_gpus(self.cfg.cluster) or not self.standby.alive():
+        """Whether the running job has saved the checkpoint the next launch starts from, and this job's
+        devices need not be freed first (CPU ranks; GPU memory must be): the next launch (a standby
+        or a cold one) may start while this job exits."""
+        if self.signal_received is not None or not outcome_path.is_file() or may_use_gpus(self.cfg.cluster):
             return False
         try:
             reason = json.loads(outcome_path.read_text())["reason"]
@@ -486,8 +484,8 @@ class Controller:
     ) -> tuple[Stage | None, list[Agent], bool]:
         """Wait for every node's agent to end, handling telemetry, switch requests and signals.
         Returns the stage requested by the policy, the agents that failed, in the order seen, and
-        whether it returned early: the job committed its switch checkpoint and a standby can take over
-        while it exits."""
+        whether it returned early: the job committed its switch checkpoint and the next launch can
+        start while it exits."""
         requested: Stage | None = None
         stop_sent_at: float | None = None
         failed: list[Agent] = []

@@ -13,24 +13,13 @@ import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT
+from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, PEER_LOST
 
 if TYPE_CHECKING:
     from cona_cli.cluster.launchers import Agent
 
 _BLOCK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 _ROOT = "Root Cause (first observed failure)"
-_KNOCK_ON = (  # a peer died: gloo's and the TCP store's words, then NCCL's
-    "Connection reset by peer",
-    "Connection closed by peer",
-    "Connection refused",
-    "Connection was likely closed",
-    "ncclRemoteError",
-    "remote process exited or there was a network error",
-    "NCCL communicator was aborted",
-    "Watchdog caught collective operation timeout",
-    "Some NCCL operations have failed or timed out",
-)
 _OUT_OF_MEMORY = (  # torch's CUDA caching allocator, a CUDA kernel or NCCL, the CPU allocator
     "CUDA out of memory",
     "CUDA error: out of memory",
@@ -58,7 +47,7 @@ class Failure:
         stopped by SIGTERM (sent to every node once one fails)."""
         if self.rank_exit_code == -signal.SIGTERM:
             return True
-        return self.rank is not None and any(k in line for line in self.last_lines for k in _KNOCK_ON)
+        return self.rank is not None and any(k in line for line in self.last_lines for k in PEER_LOST)
 
     @property
     def out_of_memory(self) -> bool:

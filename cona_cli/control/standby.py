@@ -1,10 +1,10 @@
 """Pre-warmed standby jobs: the next launch, started while the current one trains.
 
-A standby is a torchrun job of the same world size and launcher (its own rendezvous) whose ranks run
-`launch.standby`: they import torch and the worker at idle priority with one thread, then wait for
-`RUN/launches/NNN.handover.json`. On a switch the controller writes the strategy, the committed
-checkpoint and the stop step there; the ranks then build mesh and model, load and step, as a cold
-launch would, minus torchrun's and Python's start-up (about 13 of a cold switch's 14 s on 2 cores).
+A standby is a torchrun job of the same world size and launcher (its own rendezvous) running
+`launch.standby`: its agent imports torch and the worker once (`launch.forkrun`), forks the ranks,
+and they wait at idle priority for `RUN/launches/NNN.handover.json`. On a switch the controller
+writes the strategy, the committed checkpoint and the stop step there; the ranks then build mesh
+and model, load and step, as a cold launch would, minus torchrun's and Python's start-up.
 A standby that died or was never started is simply not used: the launch starts cold.
 """
 
@@ -22,8 +22,6 @@ from cona_cli.config import ClusterConfig
 from cona_cli.control.policies import Stage
 from cona_cli.control.runstate import write_atomic
 from cona_cli.rundir import RunDir
-
-LOW_PRIORITY = ["nice", "-n", "19"]  # the standby's torchrun agent; its ranks go to idle scheduling themselves
 
 
 def standby_wanted(cluster: ClusterConfig, cores: int | None = None) -> bool:
