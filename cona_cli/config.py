@@ -133,7 +133,7 @@ class ClusterConfig:
     probe_timeout_s: float = _f(30.0, _positive)  # how long nodes wait to see each other's probe files
     # Pre-warm the next launch while one trains, so switches skip start-up: true, false, or auto (on where
     # the nodes have spare cores for it: GPU nodes, remote nodes; off where CPU ranks fill this machine).
-    standby: bool | str = _f("auto", lambda v: None if v in (True, False, "auto") else "must be true, false or auto")
+    standby: bool = _f(True, lambda v: None if isinstance(v, bool) else "must be true or false")
     startup_timeout_s: float = _f(1800.0, _positive)  # collective timeout until the first step is through
     collective_timeout_s: float = _f(600.0, _positive)  # collective timeout after the first step
     hosts: tuple[NodeSpec, ...] = field(default=(), metadata={"yaml": False})  # `ssh`: from `nodes`
@@ -259,7 +259,7 @@ class SearchConfig:
     # online controller (policy: cona)
     margin: float = _f(0.05, _non_negative)  # Φ ratio must exceed 1 + margin
     horizon_s: float = _f(120.0, _positive)  # a switch must pay back its cost within this time
-    switch_cost_s: float = _f(15.0, _non_negative)  # initial estimate of a cold relaunch, replaced by measured ones
+    switch_cost_s: float = _f(5.0, _non_negative)  # initial estimate of a cold relaunch, replaced by measured ones
     warm_switch_cost_s: float = _f(2.0, _non_negative)  # the same for a hand-over to a ready standby
     decision_every: int = _f(5, _positive)  # steps between decisions
     min_steps: int = _f(5, _positive)  # timed steps of a strategy before deciding

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 FIRST, STEPS = 60, 64
 DOC = {
     **TINY,
-    "cluster": {"procs_per_node": 2, "standby": True},  # auto leaves it off on a 2-core machine
+    "cluster": {"procs_per_node": 2, "standby": True},
     "train": {**TINY["train"], "max_steps": STEPS},
     "chain": [
         {"dp": 2, "tp": 1, "pp": 1, "mbs": 2, "gbs": 16, "steps": FIRST},

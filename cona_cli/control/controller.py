@@ -33,7 +33,7 @@ from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.failures import Failure, failed_host, parse_failure
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict, write_atomic
-from cona_cli.control.standby import Standby, may_use_gpus, standby_args, standby_wanted
+from cona_cli.control.standby import Standby, may_use_gpus, standby_args
 from cona_cli.control.telemetry_server import TelemetryServer
 from cona_cli.control.tensorboard_log import TensorBoardLog
 from cona_cli.planner.costmodel import as_array
@@ -143,7 +143,6 @@ class Controller:
         self._shapes: checkpoints.Shapes | None = None
         self._dirty = False  # the last drain changed something worth saving
         self.standby: Standby | None = None  # the pre-warmed next launch, if one runs
-        self._standby_wanted = standby_wanted(cfg.cluster)
         self._exiting: list[tuple[Agent, threading.Thread]] = []  # a switched-from job still shutting down
         self._switch: dict[str, float | bool] = {}  # run times of the running switch's phases, standby flags
 
@@ -407,7 +406,7 @@ class Controller:
 
     def _maybe_start_standby(self) -> None:
         """Once a launch is stepping, pre-warm the next one if a switch may come."""
-        if self.standby is not None or not self._standby_wanted or not self.policy.may_switch():
+        if self.standby is not None or not self.cfg.cluster.standby or not self.policy.may_switch():
             return
         launch = self.launch + 1
         self.files.handover(launch).unlink(missing_ok=True)

@@ -11,7 +11,6 @@ A standby that died or was never started is simply not used: the launch starts c
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -22,19 +21,6 @@ from cona_cli.config import ClusterConfig
 from cona_cli.control.policies import Stage
 from cona_cli.control.runstate import write_atomic
 from cona_cli.rundir import RunDir
-
-
-def standby_wanted(cluster: ClusterConfig, cores: int | None = None) -> bool:
-    """`cluster.standby`, with `auto` resolved: a standby imports torch in one process per rank plus its
-    torchrun agent, then waits. Where CPU ranks already fill this machine's cores, that work comes out of
-    training (bench_switch on 2 cores, 4 ranks: the job ran 1.77x slower beside a standby, and a single-run
-    probe 1.18x slower beside one that only waited), so `auto` pre-warms only where the ranks leave cores
-    free: GPU nodes and remote nodes."""
-    if cluster.standby != "auto":
-        return bool(cluster.standby)
-    if may_use_gpus(cluster) or cluster.launcher != "local":
-        return True
-    return (cores or os.cpu_count() or 1) >= 2 * cluster.procs_per_node * cluster.nodes
 
 
 def may_use_gpus(cluster: ClusterConfig) -> bool:
