@@ -7,16 +7,23 @@ Runs one config (default: WikiText-2, tiny GPT, 4 gloo ranks), each for the same
 Seeds run one after another; inside a seed the runs go in a rotated order, so host drift spreads
 evenly over the conditions. After the first seed, `--drop-worst K` drops the K static rungs that
 were slowest to the last target (said so in the output). Prints, per target, the median and range
-over seeds of each run's time to the target, and of cona's speed-up against static-auto and against
-the best static run of the same seed (the best fixed strategy in hindsight).
+over seeds of each run's time to the target (interpolated between evaluations), and of cona's
+speed-up against static-auto and against the best static run of the same seed (the best fixed
+strategy in hindsight).
 
     python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
+        [--kappa 3] [--tabulate]
+
+`--kappa K` adds a `cona-k<K>` run (cona with `search.kappa: K`, e.g. fitted by scripts/fit_kappa.py
+on another seed's static runs); `--tabulate` runs nothing and tabulates the run folders under --out
+(e.g. for other targets).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import statistics
 import subprocess
@@ -30,19 +37,21 @@ sys.path.insert(0, str(REPO))
 
 from cona_cli.config import load_config  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
-from cona_cli.report.build import time_to_target  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
 
 CONA = [sys.executable, "-c", "from cona_cli.app import main; main()"]
 
 
-def variants(doc: dict, ladder: list[int], gbs_static: int) -> dict[str, dict]:
-    """cona, static-auto, and the planner's static pick at every other rung."""
+def variants(doc: dict, ladder: list[int], gbs_static: int, kappas: list[float]) -> dict[str, dict]:
+    """cona, cona at each fixed κ, static-auto, and the planner's static pick at every other rung."""
+    search = doc.get("search", {})
 
     def static(gbs: int) -> dict:
-        return {**doc, "policy": "static", "strategy": "auto", "search": {**doc.get("search", {}), "gbs_static": gbs}}
+        return {**doc, "policy": "static", "strategy": "auto", "search": {**search, "gbs_static": gbs}}
 
-    runs = {"cona": {**doc, "policy": "cona"}, "static-auto": static(gbs_static)}
+    runs = {"cona": {**doc, "policy": "cona"}}
+    runs.update({f"cona-k{k:g}": {**doc, "policy": "cona", "search": {**search, "kappa": k}} for k in kappas})
+    runs["static-auto"] = static(gbs_static)
     runs.update({f"static-{g}": static(g) for g in ladder if g != gbs_static})
     return runs
 
@@ -61,8 +70,20 @@ def run_once(name: str, variant: dict, seed: int, out: Path, max_time: float) ->
 
 
 def times(run_dir: Path, targets: list[float]) -> list[float | None]:
-    log = read_run(run_dir)
-    return [r.time_s if r.reached else None for r in (time_to_target(log, t) for t in targets)]
+    """When the validation curve crosses each target: linear in log-ppl between the evaluations that
+    bracket it (evaluations come every `eval_interval_s`; the first one at or below the target would
+    quantise every time to that interval)."""
+    evals = [e for e in read_run(run_dir).evals if math.isfinite(e.val_ppl)]
+    out: list[float | None] = []
+    for target in targets:
+        hit = next((i for i, e in enumerate(evals) if e.val_ppl <= target), None)
+        if hit is None or hit == 0:
+            out.append(None if hit is None else evals[0].time)
+            continue
+        a, b = evals[hit - 1], evals[hit]
+        f = (math.log(a.val_ppl) - math.log(target)) / (math.log(a.val_ppl) - math.log(b.val_ppl))
+        out.append(a.time + f * (b.time - a.time))
+    return out
 
 
 def spread(values: list[float]) -> str:
@@ -81,6 +102,8 @@ def main() -> None:
     ap.add_argument("--drop-worst", type=int, default=0, help="static rungs dropped after the first seed")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "ttp")
     ap.add_argument("--only", default="", help="comma-separated subset of the runs")
+    ap.add_argument("--kappa", default="", help="comma-separated fixed κ values: a cona-k<κ> run for each")
+    ap.add_argument("--tabulate", action="store_true", help="run nothing: tabulate the run folders under --out")
     args = ap.parse_args()
 
     doc = yaml.safe_load(args.config.read_text())
@@ -92,23 +115,31 @@ def main() -> None:
         doc.pop(key, None)
     cfg = load_config(args.config)
     ladder = gbs_ladder(cfg)
-    runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2])
+    kappas = [float(k) for k in args.kappa.split(",") if k]
+    runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], kappas)
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
     targets = [float(t) for t in args.targets.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     base_seed = int(doc["train"].get("seed", 1234))
-    results: dict[str, list[list[float | None]]] = {name: [] for name in runs}  # per run: per seed: per target
+    results: dict[str, dict[int, list[float | None]]] = {name: {} for name in runs}  # run -> seed -> per target
     for i in range(args.seeds):
+        seed = base_seed + i
+        if args.tabulate:
+            for name in runs:
+                if (args.out / f"s{seed}" / name / "events.jsonl").is_file():
+                    results[name][seed] = times(args.out / f"s{seed}" / name, targets)
+            continue
         names = list(runs)
         names = names[i % len(names) :] + names[: i % len(names)]  # rotate: drift spreads over conditions
         for name in names:
-            results[name].append(times(run_once(name, runs[name], base_seed + i, args.out, args.max_time), targets))
+            results[name][seed] = times(run_once(name, runs[name], seed, args.out, args.max_time), targets)
         if i == 0 and args.drop_worst:
             statics = [n for n in runs if n.startswith("static-") and n != "static-auto"]
-            slowest = sorted(statics, key=lambda n: results[n][0][-1] or float("inf"))[-args.drop_worst :]
+            slowest = sorted(statics, key=lambda n: results[n][seed][-1] or float("inf"))[-args.drop_worst :]
             print(f"dropped after seed {base_seed}: {', '.join(slowest)} (slowest to ppl {targets[-1]:g})")
             runs = {k: v for k, v in runs.items() if k not in slowest}
+    results = {name: per_seed for name, per_seed in results.items() if per_seed}
 
     print(f"\n{args.seeds} seed(s), {args.max_time:.0f} s each; time to target in s: median [min–max] over seeds")
     print("| run | " + " | ".join(f"ppl ≤ {t:g}" for t in targets) + " |")
@@ -116,25 +147,24 @@ def main() -> None:
     for name, per_seed in results.items():
         cells = []
         for j in range(len(targets)):
-            reached = [s[j] for s in per_seed if s[j] is not None]
+            reached = [t[j] for t in per_seed.values() if t[j] is not None]
             cells.append(f"{spread(reached)} ({len(reached)}/{len(per_seed)})")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    if "cona" not in results:
-        return
-    for label, against in (("static-auto", lambda s, j: results["static-auto"][s][j]), ("best static", None)):
-        cells = []
-        for j in range(len(targets)):
-            ups = []
-            for s, cona_times in enumerate(results["cona"]):
-                if against is not None:
-                    base = against(s, j) if "static-auto" in results else None
-                else:
-                    statics = [results[n][s][j] for n in results if n != "cona" and len(results[n]) > s]
-                    base = min((t for t in statics if t is not None), default=None)
-                if base is not None and cona_times[j] is not None:
-                    ups.append(base / cona_times[j])
-            cells.append(spread(ups) + "×")
-        print(f"| cona vs {label} | " + " | ".join(cells) + " |")
+    for cona in [n for n in results if n.startswith("cona")]:
+        for label in ("static-auto", "best static"):
+            cells = []
+            for j in range(len(targets)):
+                ups = []
+                for seed, cona_times in results[cona].items():
+                    if label == "static-auto":
+                        base = results.get("static-auto", {}).get(seed, [None] * len(targets))[j]
+                    else:
+                        statics = [r[seed][j] for n, r in results.items() if n.startswith("static") and seed in r]
+                        base = min((t for t in statics if t is not None), default=None)
+                    if base is not None and cona_times[j] is not None:
+                        ups.append(base / cona_times[j])
+                cells.append(spread(ups) + "×")
+            print(f"| {cona} vs {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
