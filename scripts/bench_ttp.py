@@ -6,10 +6,10 @@ Runs one config (default: WikiText-2, tiny GPT, 4 gloo ranks), each for the same
   static-<gbs>  the shortest predicted iteration time at every other rung of the ladder
 Seeds run one after another; inside a seed the runs go in a rotated order, so host drift spreads
 evenly over the conditions. After the first seed, `--drop-worst K` drops the K static rungs that
-were slowest to the last target (said so in the output). Prints, per target, the median and range
-over seeds of each run's time to the target (interpolated between evaluations), and of cona's
-speed-up against static-auto and against the best static run of the same seed (the best fixed
-strategy in hindsight).
+reached the fewest targets, then the last of them slowest (said so in the output). Prints, per
+target, the median and range over seeds of each run's time to the target (interpolated between
+evaluations), and of cona's speed-up against static-auto and against the best static run of the
+same seed (the best fixed strategy in hindsight).
 
     python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
@@ -86,6 +86,12 @@ def times(run_dir: Path, targets: list[float]) -> list[float | None]:
     return out
 
 
+def progress(reached: list[float | None]) -> tuple[int, float]:
+    """A sort key, best first: more targets reached, then the sooner the last of them."""
+    hit = [t for t in reached if t is not None]
+    return (len(reached) - len(hit), hit[-1] if hit else 0.0)
+
+
 def spread(values: list[float]) -> str:
     if not values:
         return "-"
@@ -104,6 +110,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated subset of the runs")
     ap.add_argument("--kappa", default="", help="comma-separated fixed κ values: a cona-k<κ> run for each")
     ap.add_argument("--tabulate", action="store_true", help="run nothing: tabulate the run folders under --out")
+    ap.add_argument("--reuse", action="store_true", help="keep run folders that finished; run only the others")
     args = ap.parse_args()
 
     doc = yaml.safe_load(args.config.read_text())
@@ -133,11 +140,14 @@ def main() -> None:
         names = list(runs)
         names = names[i % len(names) :] + names[: i % len(names)]  # rotate: drift spreads over conditions
         for name in names:
-            results[name][seed] = times(run_once(name, runs[name], seed, args.out, args.max_time), targets)
+            done = args.out / f"s{seed}" / name
+            if not (args.reuse and done.is_dir() and read_run(done).last("exit") is not None):
+                done = run_once(name, runs[name], seed, args.out, args.max_time)
+            results[name][seed] = times(done, targets)
         if i == 0 and args.drop_worst:
             statics = [n for n in runs if n.startswith("static-") and n != "static-auto"]
-            slowest = sorted(statics, key=lambda n: results[n][seed][-1] or float("inf"))[-args.drop_worst :]
-            print(f"dropped after seed {base_seed}: {', '.join(slowest)} (slowest to ppl {targets[-1]:g})")
+            slowest = sorted(statics, key=lambda n: progress(results[n][seed]))[-args.drop_worst :]
+            print(f"dropped after seed {base_seed}: {', '.join(slowest)} (fewest targets reached, then slowest)")
             runs = {k: v for k, v in runs.items() if k not in slowest}
     results = {name: per_seed for name, per_seed in results.items() if per_seed}
 
