@@ -76,3 +76,14 @@ def test_lookahead_lets_one_switch_climb_two_rungs() -> None:
         assert stage is not None and stage.strategy.gbs == gbs, (lookahead, stage)
         chosen = events.rows[-1]
         assert chosen["candidate_kind"] == kind and chosen["kappa"] == 1.0
+
+
+def test_step_times_taken_while_a_standby_imports_are_not_the_strategys() -> None:
+    policy, _ = _policy()
+    start = policy.first().strategy
+    policy.standby_importing = True  # the controller just started a standby beside the job
+    _feed(policy, 1, 1, 10, 0.5, gns=0.01)
+    assert policy.samples.get(start, []) == []
+    policy.standby_importing = False
+    _feed(policy, 1, 11, 10, 0.05, gns=0.01)
+    assert policy.samples[start] == [0.05] * 10

@@ -160,7 +160,7 @@ class ConaPolicy(Policy):
             self._launch, self._launch_steps = row.get("launch"), 0
         self._launch_steps += 1
         cur = self.current.strategy
-        if self._launch_steps > WARMUP_STEPS:
+        if self._launch_steps > WARMUP_STEPS and not self.standby_importing:
             times = self.samples.setdefault(cur, [])
             times.append(row["iter_s"])
             del times[:-SAMPLE_WINDOW]  # recent steps only: follows host drift, bounds the saved state

@@ -414,6 +414,7 @@ class Controller:
         agents, pumps = self._start(launch, standby_args(self.run_dir, launch))
         self.standby = Standby(launch, agents, pumps)
         self.state.standby_pids = [a.pid for a in agents]
+        self.policy.standby_importing = True
         self.events.write("standby", launch=launch)
 
     def _switch_phases(self, first_step: dict[str, Any], outcome: dict[str, Any]) -> dict[str, Any]:
@@ -499,6 +500,9 @@ class Controller:
             if self.standby is not None and self.standby.newly_ready(self.files):
                 self.events.write("standby_ready", launch=self.standby.launch)
                 self.policy.standby_ready = True
+            self.policy.standby_importing = (
+                self.standby is not None and not self.standby.ready_logged and self.standby.alive()
+            )
             switch_to = self._drain(stage, prev, progress, wait=0.2)
             if self._dirty:
                 self._save_state(stage, prev)

@@ -36,6 +36,9 @@ class Policy:
     def __init__(self) -> None:
         self.events: EventSink | None = None  # the controller's events.jsonl, for policies that log
         self.standby_ready = False  # set by the controller: a pre-warmed job waits, switches are cheap now
+        # Set by the controller while a standby imports beside the job: step times then are not the
+        # strategy's own (on a CPU box the import takes cores from the ranks).
+        self.standby_importing = False
 
     def first(self) -> Stage:
         raise NotImplementedError
