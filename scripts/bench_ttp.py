@@ -86,6 +86,12 @@ def times(run_dir: Path, targets: list[float]) -> list[float | None]:
     return out
 
 
+def finished(run_dir: Path) -> bool:
+    """The run ended on its own (exit code 0), not interrupted or failed."""
+    end = read_run(run_dir).last("exit")
+    return end is not None and end.data.get("code") == 0
+
+
 def progress(reached: list[float | None]) -> tuple[int, float]:
     """A sort key, best first: more targets reached, then the sooner the last of them."""
     hit = [t for t in reached if t is not None]
@@ -141,7 +147,7 @@ def main() -> None:
         names = names[i % len(names) :] + names[: i % len(names)]  # rotate: drift spreads over conditions
         for name in names:
             done = args.out / f"s{seed}" / name
-            if not (args.reuse and done.is_dir() and read_run(done).last("exit") is not None):
+            if not (args.reuse and done.is_dir() and finished(done)):
                 done = run_once(name, runs[name], seed, args.out, args.max_time)
             results[name][seed] = times(done, targets)
         if i == 0 and args.drop_worst:
