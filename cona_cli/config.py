@@ -131,8 +131,7 @@ class ClusterConfig:
     srun_args: list[str] = _empty(list)  # extra srun options
     sbatch_options: list[str] = _empty(list)  # #SBATCH lines for `cona train --sbatch`
     probe_timeout_s: float = _f(30.0, _positive)  # how long nodes wait to see each other's probe files
-    # Pre-warm the next launch while one trains, so switches skip start-up: true, false, or auto (on where
-    # the nodes have spare cores for it: GPU nodes, remote nodes; off where CPU ranks fill this machine).
+    # Pre-warm the next launch while one trains, so switches skip start-up (one import per node, forkrun).
     standby: bool = _f(True, lambda v: None if isinstance(v, bool) else "must be true or false")
     startup_timeout_s: float = _f(1800.0, _positive)  # collective timeout until the first step is through
     collective_timeout_s: float = _f(600.0, _positive)  # collective timeout after the first step

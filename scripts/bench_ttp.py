@@ -88,6 +88,8 @@ def times(run_dir: Path, targets: list[float]) -> list[float | None]:
 
 def finished(run_dir: Path) -> bool:
     """The run ended on its own (exit code 0), not interrupted or failed."""
+    if not (run_dir / "events.jsonl").is_file():
+        return False
     end = read_run(run_dir).last("exit")
     return end is not None and end.data.get("code") == 0
 
@@ -140,14 +142,14 @@ def main() -> None:
         seed = base_seed + i
         if args.tabulate:
             for name in runs:
-                if (args.out / f"s{seed}" / name / "events.jsonl").is_file():
+                if finished(args.out / f"s{seed}" / name):
                     results[name][seed] = times(args.out / f"s{seed}" / name, targets)
             continue
         names = list(runs)
         names = names[i % len(names) :] + names[: i % len(names)]  # rotate: drift spreads over conditions
         for name in names:
             done = args.out / f"s{seed}" / name
-            if not (args.reuse and done.is_dir() and finished(done)):
+            if not (args.reuse and finished(done)):
                 done = run_once(name, runs[name], seed, args.out, args.max_time)
             results[name][seed] = times(done, targets)
         if i == 0 and args.drop_worst:

@@ -16,11 +16,19 @@ from typer.testing import CliRunner
 
 from cona_cli.app import app
 from cona_cli.cluster.launchers import Agent, LocalLauncher, SlurmLauncher, SshLauncher
-from cona_cli.cluster.nodes import ClusterError, Node, Rendezvous, rendezvous, resolve_nodes, torchrun_args
+from cona_cli.cluster.nodes import (
+    ClusterError,
+    Node,
+    Rendezvous,
+    may_use_gpus,
+    rendezvous,
+    resolve_nodes,
+    torchrun_args,
+)
 from cona_cli.cluster.sbatch import sbatch_script
 from cona_cli.cluster.shared_storage import check_shared
 from cona_cli.cluster.slurm import SlurmError, allocation_hosts, expand_nodelist
-from cona_cli.config import ConfigError, config_from_dict, load_config
+from cona_cli.config import ClusterConfig, ConfigError, config_from_dict, load_config
 from cona_cli.control.failures import failed_host, parse_failure
 from tests.support import REPO, TINY, write_config
 
@@ -288,3 +296,8 @@ def test_shipped_cluster_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert result.exit_code == 0, result.output
     text = (tmp_path / "job.sh").read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=8" in text
+
+
+def test_gpu_ranks_must_free_their_devices_before_the_next_launch() -> None:
+    assert may_use_gpus(ClusterConfig(backend="nccl")) and not may_use_gpus(ClusterConfig(backend="gloo"))
+    assert may_use_gpus(ClusterConfig(launcher="slurm"))  # remote nodes' devices are not visible here

@@ -14,6 +14,7 @@ import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from cona_cli.cluster.slurm import SlurmError, allocation_hosts
 from cona_cli.config import ClusterConfig
@@ -91,6 +92,14 @@ def rendezvous(cluster: ClusterConfig, nodes: list[Node], run_id: str) -> Rendez
     # Under slurm one srun command line serves every node: torchrun matches the host name itself.
     hosting = [] if cluster.launcher == "slurm" else [n.index for n in nodes if n.addr == host]
     return Rendezvous(f"{host}:{port}", run_id, hosting[0] if hosting else None)
+
+
+def may_use_gpus(cluster: ClusterConfig) -> bool:
+    """Whether the ranks may hold GPUs: NCCL, or `auto` where this machine has NVIDIA devices or the nodes
+    are other machines (their devices are not visible from here)."""
+    if cluster.backend != "auto":
+        return cluster.backend == "nccl"
+    return cluster.launcher != "local" or any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def torchrun_args(cluster: ClusterConfig, node: Node | None, rdzv: Rendezvous | None) -> list[str]:

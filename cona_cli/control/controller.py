@@ -26,14 +26,22 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cona_cli.cluster.launchers import Agent, make_launcher
-from cona_cli.cluster.nodes import ClusterError, head_address, is_multi_node, rendezvous, resolve_nodes, torchrun_args
+from cona_cli.cluster.nodes import (
+    ClusterError,
+    head_address,
+    is_multi_node,
+    may_use_gpus,
+    rendezvous,
+    resolve_nodes,
+    torchrun_args,
+)
 from cona_cli.cluster.shared_storage import check_shared
 from cona_cli.config import Config
 from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.failures import Failure, failed_host, parse_failure
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict, write_atomic
-from cona_cli.control.standby import Standby, may_use_gpus, standby_args
+from cona_cli.control.standby import Standby, standby_args
 from cona_cli.control.telemetry_server import TelemetryServer
 from cona_cli.control.tensorboard_log import TensorBoardLog
 from cona_cli.planner.costmodel import as_array

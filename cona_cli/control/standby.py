@@ -17,18 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cona_cli.cluster.launchers import Agent
-from cona_cli.config import ClusterConfig
 from cona_cli.control.policies import Stage
 from cona_cli.control.runstate import write_atomic
 from cona_cli.rundir import RunDir
-
-
-def may_use_gpus(cluster: ClusterConfig) -> bool:
-    """Whether the ranks may hold GPUs: NCCL, or `auto` where this machine has NVIDIA devices or the nodes
-    are other machines (their devices are not visible from here)."""
-    if cluster.backend != "auto":
-        return cluster.backend == "nccl"
-    return cluster.launcher != "local" or any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def standby_args(run_dir: Path, launch: int) -> list[str]:
