@@ -262,8 +262,6 @@ class SearchConfig:
     warm_switch_cost_s: float = _f(2.0, _non_negative)  # the same for a hand-over to a ready standby
     decision_every: int = _f(5, _positive)  # steps between decisions
     min_steps: int = _f(5, _positive)  # timed steps of a strategy before deciding
-    fallback: bool = _f(True)
-    fallback_patience: int = _f(20, _positive)  # steps of falling GNS that trigger a fallback
     optimism: float = _f(1.0, _non_negative)  # stds taken off the predicted T of strategies never run
     lookahead: int = _f(1, _positive)  # rungs above the current one that compete (1: the paper's rule)
     kappa: float | str = _f("auto", _kappa)  # Φ_κ's multiplier on GNS: a number, or auto (fitted, 1 if unsure)

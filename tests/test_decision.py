@@ -1,4 +1,4 @@
-"""The switch rule on scripted GNS / iteration times, and the fallback monitor."""
+"""The switch rule on scripted GNS / iteration times."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cona_cli.control.switch_rule import FallbackMonitor, decide, needed_ratio
+from cona_cli.control.switch_rule import decide, needed_ratio
 from cona_cli.planner.surrogate import phi
 
 
@@ -43,13 +43,3 @@ def test_switch_cost_must_be_paid_back() -> None:
 def test_margin_blocks_small_gains() -> None:
     d = decide(8, 0.1, 8, 0.098, 10.0, switch_cost_s=0, horizon_s=120, margin=0.05)
     assert d.ratio == pytest.approx(0.1 / 0.098) and not d.switch
-
-
-def test_fallback_fires_after_patience_falling_steps() -> None:
-    mon = FallbackMonitor(patience=3)
-    assert not mon.update(10.0)  # not armed: never fires
-    mon.arm()
-    fired = [mon.update(g) for g in (20, 19, 18, 18.5, 17, 16, 15)]
-    assert fired == [False, False, False, False, False, False, True]
-    mon.disarm()
-    assert not mon.update(1.0)

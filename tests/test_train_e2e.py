@@ -136,7 +136,7 @@ def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
     assert events[0]["policy"] == "cona"
     switches = [e for e in events if e["kind"] == "switch"]
     assert switches and switches[0]["reason"] == "decision"
-    assert all(s["reason"] in ("decision", "fallback") for s in switches)
+    assert all(s["reason"] == "decision" for s in switches)
     assert switches[0]["to"]["gbs"] > switches[0]["from"]["gbs"]
     chosen = [e for e in events if e["kind"] == "decision" and e["switch"]]
     assert chosen[0]["candidate"] == switches[0]["to"] and chosen[0]["ratio"] > chosen[0]["needed"]

@@ -1,8 +1,10 @@
 """The online CONA policy: climb the global-batch ladder when the surrogate says it pays.
 
 Every `decision_every` steps it compares the running strategy (measured median s/iter) with the
-frontier candidate (the best predicted strategy at the next rung) and with the best layout at the
-same rung, using Φ at the current smoothed GNS and the learned switch cost (`decision.decide`).
+frontier candidates (the best predicted strategies at the next `lookahead` rungs), with the best
+layout at the same rung and with the rung it climbed from (at that rung's measured speed, which undoes
+a move that did not pay), using Φ_κ at the current smoothed GNS and the learned switch cost
+(`switch_rule.decide`). Moving down is decided by the same rule, never by the GNS trend alone.
 A background thread recalibrates the iteration-time model from the measured step times and reruns
 the search whenever the measurements moved, and after every switch.
 """
@@ -17,7 +19,7 @@ import numpy as np
 
 from cona_cli.config import Config
 from cona_cli.control.policies import Policy, Stage
-from cona_cli.control.switch_rule import FallbackMonitor, decide
+from cona_cli.control.switch_rule import decide
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.kappa import Curve, KappaFit, fit_kappa
@@ -54,9 +56,7 @@ class ConaPolicy(Policy):
         self.samples: dict[Strategy, list[float]] = {}  # measured s/iter of strategies that ran
         self.switch_costs: list[float] = []  # measured cold relaunches
         self.warm_switch_costs: list[float] = []  # measured hand-overs to a ready standby
-        self.fallback = FallbackMonitor(self.s.fallback_patience)
         self.previous: list[Strategy] = []  # strategies of the lower rungs we climbed from
-        self.blocked_until_step = 0  # after a fallback, no climbing for a patience window
         self._lock = threading.Lock()
         self._results: dict[int, SearchResult] = {}
         self._searched_for: tuple[Strategy, float] | None = None
@@ -167,8 +167,6 @@ class ConaPolicy(Policy):
         gns = row.get("gns")
         if gns is not None:
             self._last_gns = gns
-        if gns is not None and self.fallback.update(gns):
-            return self._fall_back(row, gns)
         timed = len(self.samples.get(cur, []))
         if timed < self.s.min_steps or self._launch_steps % self.s.decision_every:
             return None
@@ -188,11 +186,10 @@ class ConaPolicy(Policy):
         same = results.get(cur.gbs)
         if same is not None and same.best is not None and same.best.strategy != cur:
             candidates.append(("same_gbs", same.best))
-        if row["step"] >= self.blocked_until_step:
-            for up, gbs in enumerate(self.ladder[i + 1 : i + 1 + self.s.lookahead], 1):
-                above = results.get(gbs)
-                if above is not None and above.best is not None:
-                    candidates.append(("next_gbs" if up == 1 else f"next_gbs+{up - 1}", above.best))
+        for up, gbs in enumerate(self.ladder[i + 1 : i + 1 + self.s.lookahead], 1):
+            above = results.get(gbs)
+            if above is not None and above.best is not None:
+                candidates.append(("next_gbs" if up == 1 else f"next_gbs+{up - 1}", above.best))
         if self.previous:  # the rung we came from, at its measured speed: undo a move that did not pay
             back = self.previous[-1]
             t_back = statistics.median(self.samples[back])
@@ -231,26 +228,14 @@ class ConaPolicy(Policy):
             return statistics.median(self.samples[cand.strategy])
         return max(cand.time_s - self.s.optimism * cand.time_std, 0.5 * cand.time_s, min(cand.time_s, t_cur))
 
-    def _fall_back(self, row: dict[str, Any], gns: float) -> Stage | None:
-        self.fallback.disarm()
-        if not self.s.fallback or not self.previous:
-            return None
-        back = self.previous[-1]
-        why = f"smoothed GNS fell for {self.s.fallback_patience} steps after moving up (now {gns:.1f})"
-        self._log(row, None, why, True, gns=gns, fallback_to=back.to_dict())
-        self.blocked_until_step = row["step"] + 4 * self.s.fallback_patience
-        return Stage(back, None, "fallback")
-
     def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
         if requested is None:
             return None
         old = self.current.strategy
-        if self.previous and requested.strategy == self.previous[-1]:  # back down (fallback or decision)
+        if self.previous and requested.strategy == self.previous[-1]:  # back down
             self.previous.pop()
-            self.fallback.disarm()
         elif requested.strategy.gbs > old.gbs:
             self.previous.append(old)
-            self.fallback.arm()
         self.current = requested
         self.refit_kappa()
         self._searched_for = None  # a new frontier: search again once the new strategy is measured
@@ -272,8 +257,7 @@ class ConaPolicy(Policy):
         return self.current
 
     def state_dict(self) -> dict[str, Any]:
-        """Ladder position, calibration samples, switch costs and fallback state (for --resume)."""
-        fb = self.fallback
+        """Ladder position, calibration samples, switch costs and κ evidence (for --resume)."""
         return {
             "current": str(self.current.strategy),
             "reason": self.current.reason,
@@ -281,8 +265,6 @@ class ConaPolicy(Policy):
             "switch_costs": self.switch_costs,
             "warm_switch_costs": self.warm_switch_costs,
             "previous": [str(p) for p in self.previous],
-            "blocked_until_step": self.blocked_until_step,
-            "fallback": {"armed": fb.armed, "falling": fb.falling, "last": fb.last},
             "probe": self.probe,
             "kappa_fit": vars(self.kappa_fit),
             "out_of_memory": sorted(str(s) for s in self.out_of_memory),
@@ -296,9 +278,6 @@ class ConaPolicy(Policy):
         self.switch_costs = list(state["switch_costs"])
         self.warm_switch_costs = list(state.get("warm_switch_costs", []))
         self.previous = [Strategy.parse(p) for p in state["previous"]]
-        self.blocked_until_step = int(state["blocked_until_step"])
-        fb = state["fallback"]
-        self.fallback.armed, self.fallback.falling, self.fallback.last = fb["armed"], fb["falling"], fb["last"]
         self.probe = [tuple(p) for p in state.get("probe", [])]
         if "kappa_fit" in state:
             self.kappa_fit = KappaFit(**state["kappa_fit"])

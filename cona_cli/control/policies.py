@@ -21,7 +21,7 @@ class Stage:
 
     strategy: Strategy
     stop_step: int | None
-    reason: str  # why this stage starts: start, chain, decision, fallback
+    reason: str  # why this stage starts: start, chain, decision
 
 
 class EventSink(Protocol):

@@ -59,29 +59,3 @@ def decide(
     else:
         why = f"Φ ratio {ratio:.3f} <= {1.0 + margin:.3f}"
     return Decision(ratio > needed, phi_cur, phi_new, ratio, needed, why)
-
-
-class FallbackMonitor:
-    """Fires when the smoothed GNS keeps falling for `patience` consecutive steps after moving up a rung."""
-
-    def __init__(self, patience: int) -> None:
-        self.patience = patience
-        self.armed = False
-        self.falling = 0
-        self.last: float | None = None
-
-    def arm(self) -> None:
-        self.armed, self.falling, self.last = True, 0, None
-
-    def disarm(self) -> None:
-        self.armed = False
-
-    def update(self, gns: float) -> bool:
-        if not self.armed:
-            return False
-        self.falling = self.falling + 1 if self.last is not None and gns < self.last else 0
-        self.last = gns
-        return self.falling >= self.patience
-
-    def state_dict(self) -> dict[str, object]:
-        return {"armed": self.armed, "falling": self.falling, "last": self.last}
