@@ -9,7 +9,9 @@ evenly over the conditions. After the first seed, `--drop-worst K` drops the K s
 reached the fewest targets, then the last of them slowest (said so in the output). Prints, per
 target, the median and range over seeds of each run's time to the target (interpolated between
 evaluations), and of cona's speed-up against static-auto and against the best static run of the
-same seed (the best fixed strategy in hindsight).
+same seed (the best fixed strategy in hindsight). The "hindsight chain" row is the fastest chain of
+that seed's static runs (the paper's optimum sequence, with free switches): the ceiling of what
+chaining these strategies could gain over them.
 
     python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
@@ -23,6 +25,7 @@ on another seed's static runs); `--tabulate` runs nothing and tabulates the run 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import shutil
 import statistics
@@ -39,6 +42,7 @@ from cona_cli.config import load_config  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
 
+HINDSIGHT = "hindsight chain"  # the statics' fastest chain in hindsight (see hindsight_chain)
 CONA = [sys.executable, "-c", "from cona_cli.app import main; main()"]
 
 
@@ -69,20 +73,48 @@ def run_once(name: str, variant: dict, seed: int, out: Path, max_time: float) ->
     return run_dir
 
 
-def times(run_dir: Path, targets: list[float]) -> list[float | None]:
-    """When the validation curve crosses each target: linear in log-ppl between the evaluations that
+def crossing(evals: list, log_ppl: float) -> float | None:
+    """When a validation curve first reaches log_ppl: linear in log-ppl between the evaluations that
     bracket it (evaluations come every `eval_interval_s`; the first one at or below the target would
     quantise every time to that interval)."""
-    evals = [e for e in read_run(run_dir).evals if math.isfinite(e.val_ppl)]
+    hit = next((i for i, e in enumerate(evals) if math.log(e.val_ppl) <= log_ppl), None)
+    if hit is None or hit == 0:
+        return None if hit is None else evals[0].time
+    a, b = evals[hit - 1], evals[hit]
+    f = (math.log(a.val_ppl) - log_ppl) / (math.log(a.val_ppl) - math.log(b.val_ppl))
+    return a.time + f * (b.time - a.time)
+
+
+def curve(run_dir: Path) -> list:
+    return [e for e in read_run(run_dir).evals if math.isfinite(e.val_ppl)]
+
+
+def times(run_dir: Path, targets: list[float]) -> list[float | None]:
+    evals = curve(run_dir)
+    return [crossing(evals, math.log(t)) for t in targets]
+
+
+def hindsight_chain(run_dirs: list[Path], targets: list[float], levels: int = 400) -> list[float | None]:
+    """The fastest chain of these (static) runs in hindsight, the paper's "optimum sequence": from the
+    earliest first evaluation, each slice of log-ppl is crossed at the speed of the run that crossed
+    it fastest. Switches cost nothing and progress depends only on the loss reached (not on the LR
+    schedule's position or the optimizer state), so it bounds what chaining these strategies could
+    gain, up to the resolution of the evaluations."""
+    curves = [c for c in map(curve, run_dirs) if c]
+    start = min(c[0].time for c in curves)
+    top = max(math.log(c[0].val_ppl) for c in curves)
     out: list[float | None] = []
     for target in targets:
-        hit = next((i for i, e in enumerate(evals) if e.val_ppl <= target), None)
-        if hit is None or hit == 0:
-            out.append(None if hit is None else evals[0].time)
-            continue
-        a, b = evals[hit - 1], evals[hit]
-        f = (math.log(a.val_ppl) - math.log(target)) / (math.log(a.val_ppl) - math.log(b.val_ppl))
-        out.append(a.time + f * (b.time - a.time))
+        grid = [top + (math.log(target) - top) * k / levels for k in range(levels + 1)]
+        elapsed = start
+        for hi, lo in itertools.pairwise(grid):
+            spans = [(crossing(c, lo), crossing(c, hi)) for c in curves]
+            spans = [b - a for b, a in spans if a is not None and b is not None]
+            if not spans:
+                elapsed = None
+                break
+            elapsed += min(spans)
+        out.append(elapsed)
     return out
 
 
@@ -158,6 +190,13 @@ def main() -> None:
             print(f"dropped after seed {base_seed}: {', '.join(slowest)} (fewest targets reached, then slowest)")
             runs = {k: v for k, v in runs.items() if k not in slowest}
     results = {name: per_seed for name, per_seed in results.items() if per_seed}
+    chain: dict[int, list[float | None]] = {}
+    for seed in {seed for per_seed in results.values() for seed in per_seed}:
+        statics = [args.out / f"s{seed}" / n for n, r in results.items() if n.startswith("static") and seed in r]
+        if len(statics) > 1:
+            chain[seed] = hindsight_chain(statics, targets)
+    if chain:
+        results[HINDSIGHT] = chain
 
     print(f"\n{args.seeds} seed(s), {args.max_time:.0f} s each; time to target in s: median [min–max] over seeds")
     print("| run | " + " | ".join(f"ppl ≤ {t:g}" for t in targets) + " |")
@@ -168,7 +207,7 @@ def main() -> None:
             reached = [t[j] for t in per_seed.values() if t[j] is not None]
             cells.append(f"{spread(reached)} ({len(reached)}/{len(per_seed)})")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    for cona in [n for n in results if n.startswith("cona")]:
+    for cona in [n for n in results if n.startswith("cona") or n == HINDSIGHT]:
         for label in ("static-auto", "best static"):
             cells = []
             for j in range(len(targets)):
