@@ -42,11 +42,18 @@ def resolve(backend: str, procs_per_node: int, local_rank: int, cuda_count: int)
     return Placement("nccl", torch.device("cuda", local_rank))
 
 
-def init_distributed(cluster: ClusterConfig) -> torch.device:
-    """Join the job's process group on this rank's device; returns the device."""
+def placement(cluster: ClusterConfig) -> Placement:
+    """This rank's backend and device (from LOCAL_RANK and the node's GPUs)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    place = resolve(cluster.backend, cluster.procs_per_node, local_rank, cuda_count)
+    return resolve(cluster.backend, cluster.procs_per_node, local_rank, cuda_count)
+
+
+def init_distributed(cluster: ClusterConfig) -> torch.device:
+    """Join the job's process group on this rank's device (unless joined already); returns the device."""
+    if dist.is_initialized():
+        return group_device()
+    place = placement(cluster)
     timeout = timedelta(seconds=cluster.startup_timeout_s)
     if place.backend == "nccl":
         # A failed collective aborts the communicators and ends the rank instead of hanging it.

@@ -1,10 +1,11 @@
 """A pre-warmed job: torchrun starts it while another job trains, so the next switch skips start-up.
 
 `python -m launch.forkrun ... -m launch.standby --run-dir RUN --launch N`: the agent imports this
-module, and with it torch and the worker, once; each forked rank goes to idle scheduling and waits,
-touching no model memory, until the controller writes `RUN/launches/NNN.handover.json` (strategy,
-checkpoint, stop step). It then takes its normal scheduling back and runs the launch exactly as
-`launch.worker` would.
+module, and with it torch and the worker, once; each forked rank goes to idle scheduling, joins the
+standby's process group if it is gloo (CPU ranks; NCCL communicators would take GPU memory beside the
+running job), and waits, touching no model memory, until the controller writes
+`RUN/launches/NNN.handover.json` (strategy, checkpoint, stop step). It then takes its normal
+scheduling back and runs the launch exactly as `launch.worker` would.
 It exits quietly if the hand-over says `cancel`, or if the controller is gone (its process, for local
 nodes; its state file untouched for `STALE_S`, elsewhere).
 """
@@ -19,9 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+from cona_cli.config import config_from_json
 from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy
 from launch import worker
+from launch.device import init_distributed, placement
 
 POLL_S = 0.1  # a waiting rank wakes this often (at 20 ms, 4 waiting ranks slowed a 4-rank job ~8% on 2 cores)
 STALE_S = 900.0  # a controller that has not rewritten its state file for this long is gone
@@ -90,6 +93,9 @@ def main() -> None:
     args = parser.parse_args()
     old = lower_priority()
     run = RunDir(args.run_dir)
+    cluster = config_from_json(run.resolved_config.read_text(), str(run.resolved_config)).cluster
+    if placement(cluster).backend == "gloo":  # ready means connected: the hand-over skips the rendezvous
+        init_distributed(cluster)
     if os.environ.get("RANK") == "0":
         run.launches.mkdir(exist_ok=True)
         run.standby_ready(args.launch).touch()

@@ -94,6 +94,12 @@ def times(run_dir: Path, targets: list[float]) -> list[float | None]:
     return [crossing(evals, math.log(t)) for t in targets]
 
 
+def samples_per_s(run_dir: Path) -> float | None:
+    """A run's median training throughput: global batch / step time over its timed steps."""
+    rates = [r.strategy.gbs / r.iter_s for r in read_run(run_dir).steps if r.iter_s]
+    return statistics.median(rates) if rates else None
+
+
 def hindsight_chain(run_dirs: list[Path], targets: list[float], levels: int = 400) -> list[float | None]:
     """The fastest chain of these (static) runs in hindsight, the paper's "optimum sequence": from the
     earliest first evaluation, each slice of log-ppl is crossed at the speed of the run that crossed
@@ -198,6 +204,11 @@ def main() -> None:
     if chain:
         results[HINDSIGHT] = chain
 
+    rates = []
+    for name in [n for n in results if n.startswith("static")]:
+        per_seed = [samples_per_s(args.out / f"s{seed}" / name) for seed in results[name]]
+        rates.append(f"{name} {spread([r for r in per_seed if r is not None])}")
+    print("\nsamples/s (median step of each run; median [range] over seeds): " + ", ".join(rates))
     print(f"\n{args.seeds} seed(s), {args.max_time:.0f} s each; time to target in s: median [min–max] over seeds")
     print("| run | " + " | ".join(f"ppl ≤ {t:g}" for t in targets) + " |")
     print("|---" * (len(targets) + 1) + "|")

@@ -49,6 +49,18 @@ def test_init_distributed_sets_the_device_and_timeout(monkeypatch: pytest.Monkey
         assert got == torch.device("cpu") and calls["backend"] == "gloo" and "device_id" not in calls
 
 
+def test_a_rank_that_joined_already_is_not_joined_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standby's CPU ranks join their process group while they wait; the launch then reuses it."""
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("init_process_group called twice")
+
+    monkeypatch.setattr(device.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(device.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(device.dist, "init_process_group", refuse)
+    assert device.init_distributed(_cluster()) == torch.device("cpu")
+
+
 def test_fp16_is_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match="^search.precision: fp16 needs loss scaling"):
         config_from_dict({**TINY, "search": {"precision": "fp16"}}, "t")
