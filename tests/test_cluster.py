@@ -29,6 +29,7 @@ from cona_cli.cluster.sbatch import sbatch_script
 from cona_cli.cluster.shared_storage import check_shared
 from cona_cli.cluster.slurm import SlurmError, allocation_hosts, expand_nodelist
 from cona_cli.config import ClusterConfig, ConfigError, config_from_dict, load_config
+from cona_cli.control.controller import GLIBC_MALLOC_ENV, allocator_env
 from cona_cli.control.failures import failed_host, parse_failure
 from tests.support import REPO, TINY, write_config
 
@@ -301,3 +302,15 @@ def test_shipped_cluster_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_gpu_ranks_must_free_their_devices_before_the_next_launch() -> None:
     assert may_use_gpus(ClusterConfig(backend="nccl")) and not may_use_gpus(ClusterConfig(backend="gloo"))
     assert may_use_gpus(ClusterConfig(launcher="slurm"))  # remote nodes' devices are not visible here
+
+
+def test_workers_keep_freed_memory_unless_the_user_set_malloc(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    cfg = config_from_dict(TINY, "t")
+    assert allocator_env(cfg) == GLIBC_MALLOC_ENV
+    assert int(GLIBC_MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]) > 32 << 20  # above glibc's largest mmap threshold
+    mine = config_from_dict({**TINY, "cluster": {**TINY["cluster"], "env": {"MALLOC_TRIM_THRESHOLD_": "0"}}}, "t")
+    assert allocator_env(mine) == {"MALLOC_MMAP_THRESHOLD_": GLIBC_MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]}
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert allocator_env(mine) == {}
