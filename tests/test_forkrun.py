@@ -3,6 +3,9 @@ torch's forked-process group reports; any other failure is immediate."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import time
 import types
@@ -10,6 +13,7 @@ import types
 import pytest
 
 from launch import forkrun
+from tests.support import REPO
 
 
 def _rank_module(monkeypatch: pytest.MonkeyPatch, error: Exception) -> str:
@@ -44,3 +48,23 @@ def test_a_rank_that_lost_a_peer_fails_late(monkeypatch: pytest.MonkeyPatch, err
 def test_only_modules_are_run() -> None:
     with pytest.raises(SystemExit, match="runs a module"):
         forkrun.main(["--standalone", "--nproc-per-node=1", "train.py"])
+
+
+def test_ranks_come_from_a_single_threaded_fork_server_with_their_module_loaded(tmp_path) -> None:
+    """Not from the agent, whose threads may hold libc locks at a fork; each rank takes SIGTERM."""
+    (tmp_path / "cona_probe_rank.py").write_text(
+        "import json, os, signal, sys\n"
+        "IMPORTED_IN = os.getpid()\n"
+        "def main():\n"
+        "    out = os.path.join(sys.argv[1], os.environ['RANK'] + '.json')\n"
+        "    handler = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL\n"
+        "    doc = {'ppid': os.getppid(), 'sigterm_default': handler, 'imported_in': IMPORTED_IN}\n"
+        "    open(out, 'w').write(json.dumps(doc))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    argv = [sys.executable, "-m", "launch.forkrun", "--standalone", "--nproc-per-node=2"]
+    agent = subprocess.Popen([*argv, "-m", "cona_probe_rank", str(tmp_path)], cwd=REPO, env=env)
+    assert agent.wait(timeout=120) == 0
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["ppid"] == ranks[1]["ppid"] != agent.pid  # siblings, children of the fork server
+    assert all(r["sigterm_default"] and r["imported_in"] == r["ppid"] for r in ranks)  # imported once, there
