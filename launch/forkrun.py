@@ -3,25 +3,34 @@
 `python -m launch.forkrun [torchrun flags] -m MODULE [ARGS]` takes torchrun's flags and does what
 `python -m torch.distributed.run` does (same elastic agent, rendezvous, tee and failure summary),
 except that its ranks are forked, each running `MODULE.main()` with ARGS, from a fork server that
-imported torch and MODULE once. Importing them costs ~4 CPU-seconds; torchrun's own start method pays
+already holds torch and MODULE. Importing them costs ~4 CPU-seconds; torchrun's own start method pays
 it once per rank plus once in the agent (on 2 cores with 4 ranks: ~6 s of a cold switch), this one
-once per node in the server, while the agent imports torch beside it.
+once per node.
 
-The ranks are not forked from the agent itself: its rendezvous and store threads resolve host names,
+The agent imports torch and MODULE, then forks the fork server from itself before it starts any
+thread of its own (multiprocessing's forkserver, forked instead of spawned, so it needs no import of
+its own). Ranks are never forked from the agent: its rendezvous and store threads resolve host names,
 and a fork taken while one of them held glibc's resolver lock left a rank deadlocked in its first
-`getaddrinfo` (seen once in the test suite). The server is single-threaded. Neither touches a device
-(CUDA stays uninitialised, so the ranks may use it).
+`getaddrinfo` (seen once in the test suite). The server has a single thread (fork copies only the
+caller). Neither process touches a device (CUDA stays uninitialised, so the ranks may use it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
+import os
 import signal
 import sys
 import time
 import uuid
+from collections.abc import Iterator, Sequence
+
+from torch.distributed import run as torchrun
+from torch.distributed.launcher.api import elastic_launch
 
 from cona_cli.rundir import PEER_LOST
 
@@ -43,36 +52,57 @@ def run_module(module: str, *args: str) -> None:
         raise
 
 
-def module_named(argv: list[str]) -> str | None:
-    """MODULE in `... -m MODULE ARGS`, before torchrun's own parser (which needs torch) has run."""
-    flag = next((i for i, a in enumerate(argv[:-1]) if a in ("-m", "--module")), None)
-    return None if flag is None else argv[flag + 1]
+def _fork_server_process(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
+    """`multiprocessing.util.spawnv_passfds` for the fork server: fork this process and run the
+    server's `-c` command in the child, which keeps only the descriptors a spawn would pass."""
+    if "-c" not in args:  # not the forkserver command this was written for: spawn it as usual
+        return _spawnv_passfds(path, args, passfds)
+    command = args[list(args).index("-c") + 1]
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # the child: the descriptors a spawn would have passed, then serve until the agent leaves
+        keep = sorted({0, 1, 2, *passfds})
+        for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
+            os.closerange(low + 1, high)
+        exec(command, {"__name__": "__mp_forkserver__"})
+    finally:
+        os._exit(0)
+
+
+_spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+
+@contextlib.contextmanager
+def _forking_spawn() -> Iterator[None]:
+    multiprocessing.util.spawnv_passfds = _fork_server_process
+    try:
+        yield
+    finally:
+        multiprocessing.util.spawnv_passfds = _spawnv_passfds
 
 
 def start_fork_server(module: str) -> None:
-    """Start the fork server, importing this module and MODULE. It ignores SIGTERM: a stop signal
-    goes to the whole process group, the ranks handle it, and a server that died of it would make
-    the agent believe they had all exited. It leaves when the agent does."""
-    multiprocessing.set_forkserver_preload(["launch.forkrun", module])
+    """Import MODULE and fork the fork server (see the module docstring). It ignores SIGTERM: a stop
+    signal goes to the whole process group, the ranks handle it, and a server that died of it would
+    make the agent believe they had all exited. It leaves when the agent does."""
+    importlib.import_module(module)
+    multiprocessing.set_forkserver_preload(["launch.forkrun", module])  # imported already: no cost
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        multiprocessing.forkserver.ensure_running()
+        with _forking_spawn():
+            multiprocessing.forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    module = module_named(argv)
-    if module is None:
+    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.module:
         raise SystemExit("launch.forkrun: runs a module (-m MODULE), not a script")
-    start_fork_server(module)  # it imports while this process imports torch below
-    from torch.distributed import run as torchrun
-    from torch.distributed.launcher.api import elastic_launch
-
     from launch.forkrun import run_module as entrypoint  # by its module's name: pickled to the ranks
 
-    args = torchrun.parse_args(argv)
+    start_fork_server(args.training_script)
     if args.standalone:  # as torchrun: a local c10d rendezvous on a free port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:

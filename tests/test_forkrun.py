@@ -51,7 +51,8 @@ def test_only_modules_are_run() -> None:
 
 
 def test_ranks_come_from_a_single_threaded_fork_server_with_their_module_loaded(tmp_path) -> None:
-    """Not from the agent, whose threads may hold libc locks at a fork; each rank takes SIGTERM."""
+    """Not from the agent, whose threads may hold libc locks at a fork, but from a server the agent
+    forked after importing the module; each rank takes SIGTERM."""
     (tmp_path / "cona_probe_rank.py").write_text(
         "import json, os, signal, sys\n"
         "IMPORTED_IN = os.getpid()\n"
@@ -67,4 +68,4 @@ def test_ranks_come_from_a_single_threaded_fork_server_with_their_module_loaded(
     assert agent.wait(timeout=120) == 0
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["ppid"] == ranks[1]["ppid"] != agent.pid  # siblings, children of the fork server
-    assert all(r["sigterm_default"] and r["imported_in"] == r["ppid"] for r in ranks)  # imported once, there
+    assert all(r["sigterm_default"] and r["imported_in"] == agent.pid for r in ranks)  # imported once, by the agent

@@ -1,7 +1,7 @@
 """Pre-warmed standby jobs: the next launch, started while the current one trains.
 
 A standby is a torchrun job of the same world size and launcher (its own rendezvous) running
-`launch.standby`: its agent imports torch and the worker once (`launch.forkrun`), forks the ranks,
+`launch.standby`: its agent imports torch and the worker once (`launch.forkrun`) and forks the ranks,
 and they wait at idle priority for `RUN/launches/NNN.handover.json`. On a switch the controller
 writes the strategy, the committed checkpoint and the stop step there; the ranks then build mesh
 and model, load and step, as a cold launch would, minus torchrun's and Python's start-up.
