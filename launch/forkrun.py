@@ -100,8 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
     if not args.module:
         raise SystemExit("launch.forkrun: runs a module (-m MODULE), not a script")
-    from launch.forkrun import run_module as entrypoint  # by its module's name: pickled to the ranks
-
     start_fork_server(args.training_script)
     if args.standalone:  # as torchrun: a local c10d rendezvous on a free port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
@@ -109,7 +107,9 @@ def main(argv: list[str] | None = None) -> None:
         args.master_port = FALLBACK_MASTER_PORT
     args.start_method = "forkserver"
     config, _, _ = torchrun.config_from_args(args)
-    elastic_launch(config, entrypoint)(args.training_script, *args.training_script_args)
+    # Pickled to the ranks as __main__.run_module: the fork server is a fork of this process, so its
+    # __main__ is this module too.
+    elastic_launch(config, run_module)(args.training_script, *args.training_script_args)
 
 
 if __name__ == "__main__":
