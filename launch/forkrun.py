@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
 import os
@@ -86,8 +85,7 @@ def start_fork_server(module: str) -> None:
     """Import MODULE and fork the fork server (see the module docstring). It ignores SIGTERM: a stop
     signal goes to the whole process group, the ranks handle it, and a server that died of it would
     make the agent believe they had all exited. It leaves when the agent does."""
-    importlib.import_module(module)
-    multiprocessing.set_forkserver_preload(["launch.forkrun", module])  # imported already: no cost
+    importlib.import_module(module)  # before the fork: the server and every rank inherit it
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         with _forking_spawn():

@@ -309,7 +309,6 @@ def test_workers_keep_freed_memory_unless_the_user_set_malloc(monkeypatch: pytes
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     cfg = config_from_dict(TINY, "t")
     assert allocator_env(cfg) == GLIBC_MALLOC_ENV
-    assert int(GLIBC_MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]) > 32 << 20  # above glibc's largest mmap threshold
     mine = config_from_dict({**TINY, "cluster": {**TINY["cluster"], "env": {"MALLOC_TRIM_THRESHOLD_": "0"}}}, "t")
     assert allocator_env(mine) == {"MALLOC_MMAP_THRESHOLD_": GLIBC_MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]}
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")

@@ -59,7 +59,8 @@ def test_ranks_come_from_a_single_threaded_fork_server_with_their_module_loaded(
         "def main():\n"
         "    out = os.path.join(sys.argv[1], os.environ['RANK'] + '.json')\n"
         "    handler = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL\n"
-        "    doc = {'ppid': os.getppid(), 'sigterm_default': handler, 'imported_in': IMPORTED_IN}\n"
+        "    threads = len(os.listdir(f'/proc/{os.getppid()}/task'))\n"
+        "    doc = {'ppid': os.getppid(), 'sigterm_default': handler, 'imported_in': IMPORTED_IN, 'threads': threads}\n"
         "    open(out, 'w').write(json.dumps(doc))\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
@@ -68,4 +69,5 @@ def test_ranks_come_from_a_single_threaded_fork_server_with_their_module_loaded(
     assert agent.wait(timeout=120) == 0
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["ppid"] == ranks[1]["ppid"] != agent.pid  # siblings, children of the fork server
+    assert ranks[0]["threads"] == 1  # the server: nothing else runs while it forks
     assert all(r["sigterm_default"] and r["imported_in"] == agent.pid for r in ranks)  # imported once, by the agent

@@ -72,14 +72,13 @@ def test_stays_while_gns_is_small_then_climbs_and_undoes_a_bad_move() -> None:
 def test_a_falling_gns_alone_does_not_move_down() -> None:
     """Only Φ moves down: the GNS estimate falling after a climb (early noise, EMA lag) is no reason
     to leave a rung that still has the higher Φ at the current estimate."""
-    policy, events = _policy(gbs_max=16)  # two rungs: the only move left is down
+    policy, _ = _policy(gbs_max=16)  # two rungs: the only move left is down
     step, up = _feed(policy, 1, 1, 40, 0.05, gns=1e5)
     assert up is not None and up.strategy.gbs == 16
     policy.after_launch({"step": step}, up)
     falling = [_feed(policy, 2, step + 1 + i, 1, 0.05, gns=1e5 * 0.9**i)[1] for i in range(40)]
     assert falling == [None] * 40  # 40 falling estimates, each still far above both batch sizes
     assert policy.current.strategy == up.strategy
-    assert all(e["candidate_kind"] != "previous_gbs" or not e["switch"] for e in events.rows if "candidate_kind" in e)
 
 
 def test_lookahead_lets_one_switch_climb_two_rungs() -> None:
