@@ -118,6 +118,10 @@ class RunDir:
         """What the controller hands a pre-warmed standby job that becomes launch `launch`."""
         return self.launches / f"{launch:03d}.handover.json"
 
+    def prepare(self, launch: int) -> Path:
+        """The strategy a standby that may become launch `launch` should build while it waits."""
+        return self.launches / f"{launch:03d}.prepare.json"
+
     def standby_ready(self, launch: int) -> Path:
         """Touched by a standby's rank 0 once its imports are done and it waits for the hand-over."""
         return self.launches / f"{launch:03d}.standby-ready"

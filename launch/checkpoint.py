@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,12 @@ class CheckpointError(RuntimeError):
 
 def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIONS)}
+
+
+def init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer the state a load fills in place (DCP builds it with a zero-gradient,
+    zero-LR step: 0.25-0.5 s under DTensor TP on 2 CPU cores); `load` does it when not done before."""
+    get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -95,7 +102,11 @@ def _prune(root: Path, keep: int) -> None:
 
 
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective: load a committed checkpoint into the local (resharded) model and optimizer."""
+    """Collective: load a committed checkpoint into the local (resharded) model and optimizer.
+
+    Each rank plans and reads its own pieces (DCP's load plan needs no global coordination; its
+    collectives cost ~0.3-0.7 s of a switch on 2 CPU cores), then one all-gather makes every rank
+    fail together if any could not read."""
     if not (path / MARKER).is_file():
         raise CheckpointError(f"{path}: not a committed checkpoint (no {MARKER} marker)")
     try:
@@ -103,10 +114,18 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     states = _states(model, optimizer)
+    error = None
     try:
-        dcp.load(states, checkpoint_id=str(path))
+        with warnings.catch_warnings():  # DCP warns that no_dist means one process; here it means no collectives
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(states, checkpoint_id=str(path), no_dist=True)
     except (Exception, CheckpointException) as e:  # several types for missing/truncated/garbled shards
-        raise CheckpointError(f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        error = f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # every rank fails if one cannot read its shards
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
     try:
         set_model_state_dict(model, states["model"])
         set_optimizer_state_dict(model, optimizer, states["optim"], options=_OPTIONS)

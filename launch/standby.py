@@ -1,11 +1,13 @@
 """A pre-warmed job: torchrun starts it while another job trains, so the next switch skips start-up.
 
 `python -m launch.forkrun ... -m launch.standby --run-dir RUN --launch N`: the agent imports this
-module, and with it torch and the worker, once; each forked rank goes to idle scheduling, joins the
-standby's process group if it is gloo (CPU ranks; NCCL communicators would take GPU memory beside the
-running job), and waits, touching no model memory, until the controller writes
-`RUN/launches/NNN.handover.json` (strategy, checkpoint, stop step). It then takes its normal
-scheduling back and runs the launch exactly as `launch.worker` would.
+module, and with it torch and the worker, once; each forked rank goes to idle scheduling and waits until
+the controller writes `RUN/launches/NNN.handover.json` (strategy, checkpoint, stop step). It then
+takes its normal scheduling back and runs the launch exactly as `launch.worker` would.
+CPU ranks (gloo) do what they can while they wait: they join the standby's process group, and once
+the controller writes `NNN.prepare.json` (the strategy it expects next) they build its mesh, model and
+optimizer state, so that a hand-over to that strategy only loads the checkpoint. GPU ranks touch
+nothing (NCCL communicators and a model would take GPU memory beside the running job).
 It exits quietly if the hand-over says `cancel`, or if the controller is gone (its process, for local
 nodes; its state file untouched for `STALE_S`, elsewhere).
 """
@@ -13,18 +15,23 @@ nodes; its state file untouched for `STALE_S`, elsewhere).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from cona_cli.config import config_from_json
 from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy
 from launch import worker
+from launch.data import CorpusInfo
 from launch.device import init_distributed, placement
+from launch.layout import Layout, prepare_layout
 
 POLL_S = 0.1  # a waiting rank wakes this often (at 20 ms, 4 waiting ranks slowed a 4-rank job ~8% on 2 cores)
 STALE_S = 900.0  # a controller that has not rewritten its state file for this long is gone
@@ -71,14 +78,39 @@ def controller_alive(run: RunDir) -> bool:
         return True
 
 
-def wait_for_handover(run: RunDir, launch: int) -> dict | None:
-    """The hand-over document, or None when cancelled or orphaned."""
-    path = run.handover(launch)
+def read_prepare(path: Path) -> str | None:
+    """The strategy in the controller's prepare file, if it has written one."""
+    try:
+        return json.loads(path.read_text())["strategy"]
+    except FileNotFoundError:
+        return None
+
+
+class Handover(NamedTuple):
+    doc: dict
+    layout: Layout | None
+
+
+def wait_for_handover(run: RunDir, launch: int, prepare: Callable[[Strategy], Layout] | None) -> Handover | None:
+    """The hand-over document and the layout prepared while waiting, or None when cancelled or orphaned.
+
+    `prepare` (None: never) builds the layout the controller says to expect. The hand-over repeats
+    that strategy, so every rank builds it exactly once, in step, even one that never saw the file."""
+    path, plan = run.handover(launch), run.prepare(launch)
+    layout: Layout | None = None
     checked = time.monotonic()
     while True:
-        if path.is_file():
-            doc = json.loads(path.read_text())
-            return None if doc.get("cancel") else doc
+        doc = json.loads(path.read_text()) if path.is_file() else None
+        if doc is not None and doc.get("cancel"):
+            return None
+        expected = doc.get("prepared") if doc is not None else read_prepare(plan)
+        if prepare is not None and layout is None and expected:
+            t0 = time.perf_counter()
+            layout = prepare(Strategy.parse(expected))
+            if os.environ.get("RANK") == "0":
+                print(f"cona-standby: built {expected} ahead in {time.perf_counter() - t0:.2f} s", flush=True)
+        if doc is not None:
+            return Handover(doc, layout)
         if time.monotonic() - checked > 1.0:
             if not controller_alive(run):
                 return None
@@ -93,21 +125,24 @@ def main() -> None:
     args = parser.parse_args()
     old = lower_priority()
     run = RunDir(args.run_dir)
-    cluster = config_from_json(run.resolved_config.read_text(), str(run.resolved_config)).cluster
-    if placement(cluster).backend == "gloo":  # ready means connected: the hand-over skips the rendezvous
-        init_distributed(cluster)
+    cfg = config_from_json(run.resolved_config.read_text(), str(run.resolved_config))
+    prepare = None
+    if placement(cfg.cluster).backend == "gloo":  # ready means connected: the hand-over skips the rendezvous
+        device = init_distributed(cfg.cluster)
+        vocab = CorpusInfo.from_json(run.corpus.read_text()).vocab_size
+        prepare = functools.partial(prepare_layout, cfg, device=device, vocab=vocab)
     if os.environ.get("RANK") == "0":
         run.launches.mkdir(exist_ok=True)
         run.standby_ready(args.launch).touch()
-    doc = wait_for_handover(run, args.launch)
-    if doc is None:
+    handover = wait_for_handover(run, args.launch, prepare)
+    if handover is None:
         return
     if not restore_priority(old):
         print("cona-standby: could not restore the normal scheduling priority", file=sys.stderr, flush=True)
-    resume = doc.get("resume")
-    worker.run(
-        run.path, Strategy.parse(doc["strategy"]), args.launch, Path(resume) if resume else None, doc.get("stop_step")
-    )
+    doc = handover.doc
+    resume = Path(doc["resume"]) if doc.get("resume") else None
+    layout = handover.layout if resume is not None else None  # a fresh start must not find optimizer state
+    worker.run(run.path, Strategy.parse(doc["strategy"]), args.launch, resume, doc.get("stop_step"), layout)
 
 
 if __name__ == "__main__":

@@ -43,12 +43,10 @@ from launch.device import (
     synchronize,
 )
 from launch.gradstats import SmallBatchNorms, local_grad_sq, scale_grads
+from launch.layout import Layout, build_layout
 from launch.lr import learning_rate
-from launch.materialise import build_model
 from launch.models import get_spec
 from launch.models.spec import IGNORE_INDEX, Batch
-from launch.optimizer import adamw
-from launch.parallelize import ParallelModel, build_mesh, parallelize
 from launch.telemetry_client import TelemetryClient
 
 _STOP_COMMAND, _STOP_TIME, _STOP_SWITCH = 1.0, 2.0, 3.0
@@ -105,9 +103,16 @@ def to_device(micro: list[Batch], device: torch.device) -> list[Batch]:
 
 class Worker:
     def __init__(
-        self, cfg: Config, run_dir: Path, strategy: Strategy, launch: int, device: torch.device | None = None
+        self,
+        cfg: Config,
+        run_dir: Path,
+        strategy: Strategy,
+        launch: int,
+        device: torch.device | None = None,
+        layout: Layout | None = None,
     ) -> None:
-        """`device`: this rank's (default: the process group's, see `launch.device`)."""
+        """`device`: this rank's (default: the process group's, see `launch.device`); `layout`: mesh,
+        model and optimizer already built for `strategy` (a standby's), else built here."""
         self.cfg, self.run_dir, self.strategy, self.launch = cfg, run_dir, strategy, launch
         self.device = device or group_device()
         self.files = RunDir(run_dir)
@@ -120,24 +125,14 @@ class Worker:
         self.batch = self.spec.batch(corpus.vocab_size)  # the family's (windows, sample ids) -> (inputs, targets)
         self.train_stream = TokenStream(corpus.train_path, m.seq_len, cfg.train.seed, self.batch)
         self.valid_path = corpus.valid_path
-        self.mesh = build_mesh(strategy, self.device.type)
+        if layout is None or layout.strategy != strategy:
+            layout = build_layout(cfg, strategy, self.device, corpus.vocab_size)
+        self.prepared = layout.prepared
+        self.mesh, self.pm, self.opt = layout.mesh, layout.pm, layout.opt
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
         self.pp_rank = self.mesh["pp"].get_local_rank()
-        t, search = cfg.train, cfg.search
-        model = build_model(self.spec, m, corpus.vocab_size, t.seed, self.device, self.pp_rank, strategy.pp)
-        self.pm: ParallelModel = parallelize(
-            model,
-            self.mesh,
-            strategy,
-            self.spec,
-            dp_impl=t.dp_impl,
-            pp_schedule=t.pp_schedule,
-            precision=search.precision,
-            recompute=search.recompute,
-            device=self.device,
-        )
-        self.opt = adamw(self.pm.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        t = cfg.train
         self.memory_estimate = self.files.memory_estimates().get(str(strategy))  # the planner's, from the controller
         self.timeouts_shortened = False
         self.state = TrainerState()
@@ -399,7 +394,14 @@ class Worker:
         t, st, s = self.cfg.train, self.state, self.strategy
         if self.telemetry is not None:
             self.telemetry.send(
-                {"type": "ready", "launch": self.launch, "step": st.step, "time": self.now(), "setup_s": self.setup_s}
+                {
+                    "type": "ready",
+                    "launch": self.launch,
+                    "step": st.step,
+                    "time": self.now(),
+                    "setup_s": self.setup_s,
+                    "prepared": self.prepared,
+                }
             )
         if fresh and (t.eval_interval or t.eval_interval_s):
             self.run_eval()
@@ -465,9 +467,16 @@ def main() -> None:
     run(args.run_dir, args.strategy, args.launch, args.resume, args.stop_step)
 
 
-def run(run_dir: Path, strategy: Strategy, launch: int, resume: Path | None, stop_step: int | None) -> None:
+def run(
+    run_dir: Path,
+    strategy: Strategy,
+    launch: int,
+    resume: Path | None,
+    stop_step: int | None,
+    layout: Layout | None = None,
+) -> None:
     """One launch on this rank, from process-group start to the outcome file (a standby job calls it
-    once the controller hands it a strategy)."""
+    once the controller hands it a strategy, with the layout it prepared if any)."""
     t_start = time.time()
     resolved = RunDir(run_dir).resolved_config
     cfg = config_from_json(resolved.read_text(), str(resolved))
@@ -478,7 +487,7 @@ def run(run_dir: Path, strategy: Strategy, launch: int, resume: Path | None, sto
         sys.exit(2)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     with exit_on_out_of_memory(strategy, device):
-        worker = Worker(cfg, run_dir, strategy, launch, device)
+        worker = Worker(cfg, run_dir, strategy, launch, device, layout)
     # SIGTERM from torchrun or the controller: finish the step, checkpoint, exit.
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop_requested", True))
     if resume is not None:

@@ -1,5 +1,6 @@
 """Every world-4 layout matches single-process training, for every model family (FSDP under TP and PP
-too); DCP checkpoints reshard across layouts; tied embeddings stay equal on both pipeline ends."""
+too); DCP checkpoints reshard across layouts, also into a layout built ahead (a standby's); tied
+embeddings stay equal on both pipeline ends; a checkpoint one rank cannot read fails on every rank."""
 
 from __future__ import annotations
 
@@ -54,3 +55,10 @@ def test_reshard_keeps_weights_moments_and_loss(results: dict) -> None:
         assert r["max_abs_diff"] <= 1e-5, r
         assert abs(r["loss_before"] - r["loss_after"]) <= 1e-5, r
         assert (r["step"], r["consumed"]) == (2, 32), r
+    assert [r["prepared"] for r in results["reshard"]] == [False, True, False, False]  # a standby's prepared layout
+
+
+def test_a_checkpoint_one_rank_cannot_read_fails_every_rank(results: dict) -> None:
+    errors = results["load_failure"]
+    assert len(errors) == 4 and len(set(errors)) == 1, errors
+    assert "cannot load (ValueError: shard garbled on this rank)" in errors[0] and "ckpt_3" in errors[0]

@@ -94,9 +94,13 @@ def test_switch_hands_over_to_the_standby_or_falls_back_cold_and_continues_exact
     assert switch["standby"] is True and switch["step"] == FIRST
     assert {"stop", "save", "hand_over", "start", "load", "first_step"} <= set(switch["phases"])
     assert switch["decision_to_first_step_s"] > 0
+    # the chain's next strategy was built while the standby waited, and the loads below match the cold run
+    assert switch["prepared"] is True
+    assert [e["strategy"] for e in _events(warm_run, "standby_prepare")] == [DOC["chain"][1]]
     assert [e["standby"] for e in _events(warm_run, "launch")] == [False, True]
     assert [e["standby"] for e in _events(cold_run, "launch")] == [False, False]  # the cold relaunch
     assert _events(cold_run, "switch")[0]["standby"] is False
+    assert _events(cold_run, "switch")[0]["prepared"] is False
     warm_losses, cold_losses = _losses(warm_run), _losses(cold_run)
     assert sorted(warm_losses) == list(range(1, STEPS + 1))
     assert max(abs(warm_losses[s] - cold_losses[s]) for s in warm_losses) < 1e-6

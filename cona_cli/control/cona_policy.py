@@ -66,6 +66,7 @@ class ConaPolicy(Policy):
         self._last_gns: float | None = None
         self.probe: list[tuple[float, float, int, float]] = []  # (samples, val loss, gbs, GNS) per evaluation
         self.kappa_fit = KappaFit(1.0, 1.0, 1.0, 1.0, 0.0)
+        self.leading: Strategy | None = None  # the last decision's best candidate
         first = self._search_now(self.ladder[0]).best
         if first is None:
             raise ValueError(f"search: no feasible strategy at gbs {self.ladder[0]}")
@@ -121,6 +122,9 @@ class ConaPolicy(Policy):
 
     def may_switch(self) -> bool:
         return len(self.ladder) > 1
+
+    def expected_next(self) -> Strategy | None:
+        return self.leading
 
     def kappa(self) -> float:
         """Φ_κ's multiplier on the measured GNS: `search.kappa`, or the fit of this run's evidence."""
@@ -214,6 +218,7 @@ class ConaPolicy(Policy):
             if best is None or d.ratio > best[2].ratio:
                 best = (kind, cand, d, t_cand)
         kind, cand, d, t_cand = best
+        self.leading = cand.strategy
         self._log(row, cand, d.why, d.switch, gns=gns, t_cur=t_cur, decision=d, candidate_kind=kind, candidate_t=t_cand)
         if not d.switch:
             return None

@@ -432,6 +432,7 @@ class Controller:
         if self.standby is not None or not self.cfg.cluster.standby or not self.policy.may_switch():
             return
         launch = self.launch + 1
+        self.files.launches.mkdir(exist_ok=True)
         self.files.handover(launch).unlink(missing_ok=True)
         self.files.standby_ready(launch).unlink(missing_ok=True)
         agents, pumps = self._start(launch, standby_args(self.run_dir, launch))
@@ -439,6 +440,14 @@ class Controller:
         self.state.standby_pids = [a.pid for a in agents]
         self.policy.standby_importing = True
         self.events.write("standby", launch=launch)
+
+    def _maybe_prepare(self, strategy: Strategy | None) -> None:
+        """Tell the standby which strategy to build while it waits (once; CPU ranks only act on it)."""
+        sb = self.standby
+        if strategy is None or sb is None or sb.prepared is not None or not sb.alive():
+            return
+        sb.prepare(self.files, strategy)
+        self.events.write("standby_prepare", launch=sb.launch, strategy=strategy.to_dict())
 
     def _switch_phases(self, first_step: dict[str, Any], outcome: dict[str, Any]) -> dict[str, Any]:
         """Where a switch's time went, from the decision (or the stage's last step) to the end of the
@@ -458,6 +467,7 @@ class Controller:
             "decision_to_first_step_s": round(first_step["time"] - decided, 4),
             "standby": p.get("standby", False),
             "standby_ready": p.get("standby_ready", False),
+            "prepared": p.get("prepared", False),
         }
 
     def _switch_committed(self, outcome_path: Path, requested: Stage | None) -> bool:
@@ -532,6 +542,7 @@ class Controller:
             if switch_to is not None and requested is None:
                 requested = switch_to
                 self._switch = {"decision": time.time() - self.run_start}
+            self._maybe_prepare(requested.strategy if requested is not None else self.policy.expected_next())
             wants_stop = requested is not None or self.signal_received is not None or failed
             if wants_stop and stop_sent_at is None:
                 # For a switch the workers skip the evaluation that ends a run.
@@ -570,7 +581,9 @@ class Controller:
         if kind == "metric" and self.tensorboard is not None:
             self.tensorboard.metric(msg)
         if kind == "ready" and msg.get("launch") == self.launch:
-            self._switch.update(ready=float(msg["time"]), load_s=float(msg.get("setup_s", 0.0)))
+            self._switch.update(
+                ready=float(msg["time"]), load_s=float(msg.get("setup_s", 0.0)), prepared=bool(msg.get("prepared"))
+            )
         if kind == "checkpoint" and msg.get("reason") == "switch":
             self._switch["save_s"] = float(msg["seconds"])
         if kind == "checkpoint":

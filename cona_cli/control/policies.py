@@ -51,6 +51,10 @@ class Policy:
         """Whether a later stage may follow the running one (worth pre-warming a standby job)."""
         return False
 
+    def expected_next(self) -> Strategy | None:
+        """The strategy the next switch most likely goes to, if the policy can tell (a standby builds it ahead)."""
+        return None
+
     def on_eval(self, row: dict[str, Any]) -> None:
         """An evaluation row arrived (validation loss on the fixed probe set)."""
 
@@ -113,6 +117,9 @@ class ChainPolicy(Policy):
 
     def may_switch(self) -> bool:
         return self.position < len(self.stages) - 1
+
+    def expected_next(self) -> Strategy | None:
+        return self.stages[self.position + 1].strategy if self.may_switch() else None
 
     def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
         return self._stage_at(outcome["step"])

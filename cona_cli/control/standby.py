@@ -2,9 +2,11 @@
 
 A standby is a torchrun job of the same world size and launcher (its own rendezvous) running
 `launch.standby`: its agent imports torch and the worker once (`launch.forkrun`) and forks the ranks,
-and they wait at idle priority for `RUN/launches/NNN.handover.json`. On a switch the controller
-writes the strategy, the committed checkpoint and the stop step there; the ranks then build mesh
-and model, load and step, as a cold launch would, minus torchrun's and Python's start-up.
+and they wait at idle priority for `RUN/launches/NNN.handover.json`. When the policy knows which
+strategy it expects next, the controller says so in `NNN.prepare.json` and CPU ranks build its mesh,
+model and optimizer while they wait. On a switch the controller writes the strategy, the committed
+checkpoint and the stop step to the hand-over; the ranks then load and step (building the layout
+first if it is not the prepared one), as a cold launch would, minus torchrun's and Python's start-up.
 A standby that died or was never started is simply not used: the launch starts cold.
 """
 
@@ -20,6 +22,7 @@ from cona_cli.cluster.launchers import Agent
 from cona_cli.control.policies import Stage
 from cona_cli.control.runstate import write_atomic
 from cona_cli.rundir import RunDir
+from cona_cli.strategy import Strategy
 
 
 def standby_args(run_dir: Path, launch: int) -> list[str]:
@@ -36,6 +39,7 @@ class Standby:
     pumps: list[threading.Thread] = field(default_factory=list)
     handed_over: bool = False
     ready_logged: bool = False
+    prepared: Strategy | None = None  # the strategy its ranks were told to build while they wait
 
     def newly_ready(self, run: RunDir) -> bool:
         """True once, when rank 0 says its imports are done."""
@@ -47,12 +51,21 @@ class Standby:
     def alive(self) -> bool:
         return all(a.poll() is None for a in self.agents)
 
+    def prepare(self, run: RunDir, strategy: Strategy) -> None:
+        """Tell the waiting ranks which strategy to build ahead (once per standby, before the hand-over:
+        the ranks build it together, so what they build must never change under them)."""
+        assert self.prepared is None and not self.handed_over
+        write_atomic(run.prepare(self.launch), json.dumps({"strategy": str(strategy)}))
+        self.prepared = strategy
+
     def hand_over(self, run: RunDir, stage: Stage, resume: Path | None) -> None:
-        """Give the waiting ranks their launch: strategy, checkpoint, stop step."""
+        """Give the waiting ranks their launch: strategy, checkpoint, stop step, and the strategy they
+        were told to prepare (a rank that missed that file builds it now, in step with the others)."""
         doc = {
             "strategy": str(stage.strategy),
             "resume": str(resume.absolute()) if resume else None,
             "stop_step": stage.stop_step,
+            "prepared": str(self.prepared) if self.prepared else None,
         }
         write_atomic(run.handover(self.launch), json.dumps(doc))
         self.handed_over = True
@@ -65,5 +78,5 @@ class Standby:
             agent.signal(signal.SIGKILL)
         for pump in self.pumps:
             pump.join(timeout=5)
-        run.handover(self.launch).unlink(missing_ok=True)
-        run.standby_ready(self.launch).unlink(missing_ok=True)
+        for path in (run.handover(self.launch), run.standby_ready(self.launch), run.prepare(self.launch)):
+            path.unlink(missing_ok=True)

@@ -17,7 +17,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor
 
 from cona_cli.strategy import Strategy
+from launch import checkpoint
 from launch.data import CorpusInfo, TokenStream
+from launch.layout import prepare_layout
 from launch.lr import learning_rate
 from launch.models import get_spec
 from launch.models.spec import IGNORE_INDEX
@@ -92,6 +94,23 @@ def tied_copies_equal(w: Worker) -> list[bool]:
     return out
 
 
+def one_rank_cannot_load(w: Worker, path) -> list[str]:
+    """Every rank's error when only the last rank's read fails: all of them must fail, not wait."""
+    load = checkpoint.dcp.load
+    if dist.get_rank() == dist.get_world_size() - 1:
+        checkpoint.dcp.load = lambda *a, **k: (_ for _ in ()).throw(ValueError("shard garbled on this rank"))
+    try:
+        w.restore(path)
+        error = "loaded"
+    except checkpoint.CheckpointError as e:
+        error = str(e)
+    finally:
+        checkpoint.dcp.load = load
+    errors: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return errors
+
+
 def main() -> None:
     run_dir, out, cfg, corpus = start()
     results: dict = {"layouts": {}, "fsdp": {}, "reshard": [], "tied_equal": []}
@@ -115,7 +134,9 @@ def main() -> None:
             wa.train_step(False)
         before, loss_a = full_state(wa), wa.evaluate()[0]
         path = wa.save("switch")
-        wb = Worker(cfg, run_dir, Strategy(*b), launch=2)
+        # the second pair loads into a layout built ahead of its launch, as a standby does
+        layout = prepare_layout(cfg, Strategy(*b), wa.device, corpus.vocab_size) if i == 1 else None
+        wb = Worker(cfg, run_dir, Strategy(*b), launch=2, layout=layout)
         wb.restore(path)
         after, loss_b = full_state(wb), wb.evaluate()[0]
         max_diff = max(float((before[k] - after[k]).abs().max()) for k in before)
@@ -130,8 +151,10 @@ def main() -> None:
                 "loss_after": loss_b,
                 "step": wb.state.step,
                 "consumed": wb.state.consumed_samples,
+                "prepared": wb.prepared,
             }
         )
+    results["load_failure"] = one_rank_cannot_load(wb, path)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
