@@ -85,10 +85,11 @@ def main() -> None:
     print(f"\n{args.rounds} rounds x {args.stages - 1} switches per condition ({args.stage_steps} steps per stage)")
     for cond, events in switches.items():
         cost = [e["decision_to_first_step_s"] for e in events]
-        ready = sum(e["phases"].get("start", 1.0) < 0.5 for e in events) if cond == "standby" else None
+        ready = sum(e.get("standby_ready", False) for e in events)
+        prepared = sum(e.get("prepared", False) for e in events)
         print(
             f"{cond:8s} decision to first step: {spread(cost)}"
-            + (f"; standby ready in {ready}/{len(events)}" if ready is not None else "")
+            + (f"; standby ready in {ready}/{len(events)}, layout prepared in {prepared}" if cond == "standby" else "")
         )
         phases = sorted({k for e in events for k in e["phases"]})
         print(
