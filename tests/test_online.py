@@ -52,12 +52,14 @@ def test_stays_while_gns_is_small_then_climbs_and_undoes_a_bad_move() -> None:
     assert stage is None
     decisions = [e for e in events.rows if e["kind"] == "decision" and "ratio" in e]
     assert decisions and all(not e["switch"] and e["ratio"] < 1.01 for e in decisions)
+    assert policy.expected_next().to_dict() == decisions[-1]["candidate"]  # what a standby would build ahead
 
     step, stage = _feed(policy, 1, 21, 20, t8, gns=1e5)  # noise dominates: throughput decides
     assert stage is not None and stage.strategy.gbs == 16 and stage.reason == "decision"
     chosen = events.rows[-1]
     assert chosen["switch"] and chosen["ratio"] > chosen["needed"] and chosen["candidate_kind"] == "next_gbs"
     assert policy.after_launch({"step": step}, stage) == stage
+    assert policy.expected_next() is None  # until the new rung's first decision names a candidate
 
     # The new rung turns out 5x slower per step than the old one: going back is measured, not guessed.
     step, back = _feed(policy, 2, step + 1, 20, 5 * t8 * 2, gns=1e5)

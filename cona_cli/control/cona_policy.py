@@ -242,6 +242,7 @@ class ConaPolicy(Policy):
         elif requested.strategy.gbs > old.gbs:
             self.previous.append(old)
         self.current = requested
+        self.leading = None  # the next standby prepares what the next decision leads with, not this move
         self.refit_kappa()
         self._searched_for = None  # a new frontier: search again once the new strategy is measured
         return requested
