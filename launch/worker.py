@@ -259,6 +259,7 @@ class Worker:
         # Rank 0 decides time- and command-driven stops, evaluations and checkpoints for everyone.
         stop = 0.0
         if self.rank == 0:
+            self.poll_commands()  # as late as possible: a command that came during this step stops after it
             command = _STOP_SWITCH if self.switch_requested else _STOP_COMMAND
             stop = command if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
         loss_total, grad_sq, small_sq, stop_code, eval_votes, ckpt_votes, *slots = self._reduce(
@@ -410,7 +411,6 @@ class Worker:
             if stop_step is not None and st.step >= stop_step:
                 reason = "stage_end"
                 break
-            self.poll_commands()
             t0 = time.perf_counter()
             out = self.train_step(self.eval_due())
             synchronize(self.device)  # the optimizer step may still be queued on a GPU
