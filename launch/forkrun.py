@@ -120,13 +120,15 @@ def exit_without_teardown(code: int) -> None:
 
 
 if __name__ == "__main__":
+    code = 1
     try:
         main()
-    except SystemExit as e:
-        if e.code is not None and not isinstance(e.code, int):
+        code = 0
+    except SystemExit as e:  # a message (printed, as Python would) or an exit code
+        if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
-        exit_without_teardown(e.code if isinstance(e.code, int) else int(e.code is not None))
+        else:
+            code = e.code or 0
     except BaseException:
         traceback.print_exc()
-        exit_without_teardown(1)
-    exit_without_teardown(0)
+    exit_without_teardown(code)

@@ -103,8 +103,10 @@ def wait_for_handover(run: RunDir, launch: int, prepare: Callable[[Strategy], La
         doc = json.loads(path.read_text()) if path.is_file() else None
         if doc is not None and doc.get("cancel"):
             return None
-        expected = doc.get("prepared") if doc is not None else read_prepare(plan)
-        if prepare is not None and layout is None and expected:
+        expected = None
+        if prepare is not None and layout is None:
+            expected = doc.get("prepared") if doc is not None else read_prepare(plan)
+        if expected:
             t0 = time.perf_counter()
             layout = prepare(Strategy.parse(expected))
             if os.environ.get("RANK") == "0":
@@ -141,8 +143,7 @@ def main() -> None:
         print("cona-standby: could not restore the normal scheduling priority", file=sys.stderr, flush=True)
     doc = handover.doc
     resume = Path(doc["resume"]) if doc.get("resume") else None
-    layout = handover.layout if resume is not None else None  # a fresh start must not find optimizer state
-    worker.run(run.path, Strategy.parse(doc["strategy"]), args.launch, resume, doc.get("stop_step"), layout)
+    worker.run(run.path, Strategy.parse(doc["strategy"]), args.launch, resume, doc.get("stop_step"), handover.layout)
 
 
 if __name__ == "__main__":

@@ -476,7 +476,8 @@ def run(
     layout: Layout | None = None,
 ) -> None:
     """One launch on this rank, from process-group start to the outcome file (a standby job calls it
-    once the controller hands it a strategy, with the layout it prepared if any)."""
+    once the controller hands it a strategy, with the layout it prepared if any: used only to load a
+    checkpoint into, since a fresh start must not find optimizer state)."""
     t_start = time.time()
     resolved = RunDir(run_dir).resolved_config
     cfg = config_from_json(resolved.read_text(), str(resolved))
@@ -487,7 +488,7 @@ def run(
         sys.exit(2)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     with exit_on_out_of_memory(strategy, device):
-        worker = Worker(cfg, run_dir, strategy, launch, device, layout)
+        worker = Worker(cfg, run_dir, strategy, launch, device, layout if resume is not None else None)
     # SIGTERM from torchrun or the controller: finish the step, checkpoint, exit.
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop_requested", True))
     if resume is not None:

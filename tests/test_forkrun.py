@@ -1,5 +1,5 @@
 """launch.forkrun: a forked rank that only lost a peer fails late, so the peer's own failure is the one
-torch's forked-process group reports; any other failure is immediate."""
+torch's forked-process group reports; any other failure is immediate; the agent keeps torchrun's exit codes."""
 
 from __future__ import annotations
 
@@ -71,3 +71,16 @@ def test_ranks_come_from_a_single_threaded_fork_server_with_their_module_loaded(
     assert ranks[0]["ppid"] == ranks[1]["ppid"] != agent.pid  # siblings, children of the fork server
     assert ranks[0]["threads"] == 1  # the server: nothing else runs while it forks
     assert all(r["sigterm_default"] and r["imported_in"] == agent.pid for r in ranks)  # imported once, by the agent
+
+
+def test_the_agent_exits_with_torchruns_codes_without_teardown(tmp_path) -> None:
+    """The agent leaves by os._exit (no interpreter teardown) but keeps torchrun's exit codes and messages."""
+    (tmp_path / "cona_failing_rank.py").write_text("def main():\n    raise RuntimeError('rank failed on purpose')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    argv = [sys.executable, "-m", "launch.forkrun", "--standalone", "--nproc-per-node=1"]
+    refused = subprocess.run([*argv, "train.py"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "runs a module (-m MODULE), not a script" in refused.stderr
+    failed = subprocess.run(
+        [*argv, "-m", "cona_failing_rank"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert failed.returncode == 1 and "ChildFailedError" in failed.stderr and "rank failed on purpose" in failed.stderr

@@ -97,8 +97,12 @@ def tied_copies_equal(w: Worker) -> list[bool]:
 def one_rank_cannot_load(w: Worker, path) -> list[str]:
     """Every rank's error when only the last rank's read fails: all of them must fail, not wait."""
     load = checkpoint.dcp.load
+
+    def garbled(*args, **kwargs) -> None:
+        raise ValueError("shard garbled on this rank")
+
     if dist.get_rank() == dist.get_world_size() - 1:
-        checkpoint.dcp.load = lambda *a, **k: (_ for _ in ()).throw(ValueError("shard garbled on this rank"))
+        checkpoint.dcp.load = garbled
     try:
         w.restore(path)
         error = "loaded"
