@@ -29,10 +29,8 @@ import traceback
 import uuid
 from collections.abc import Iterator, Sequence
 
-from torch.distributed import run as torchrun
-from torch.distributed.launcher.api import elastic_launch
-
 from cona_cli.rundir import PEER_LOST
+from launch.priority import IDLE_IMPORT_ENV, lower_priority, restore_priority
 
 FALLBACK_MASTER_PORT = 29500  # what torchrun sets when none is given (unused by the c10d rendezvous)
 # Forked ranks are watched as one group that reports only the first failure it sees: a rank that
@@ -83,10 +81,10 @@ def _forking_spawn() -> Iterator[None]:
 
 
 def start_fork_server(module: str) -> None:
-    """Import MODULE and fork the fork server (see the module docstring). It ignores SIGTERM: a stop
-    signal goes to the whole process group, the ranks handle it, and a server that died of it would
-    make the agent believe they had all exited. It leaves when the agent does."""
-    importlib.import_module(module)  # before the fork: the server and every rank inherit it
+    """Fork the fork server from this process, which has imported MODULE (see the module docstring).
+    It ignores SIGTERM: a stop signal goes to the whole process group, the ranks handle it, and a
+    server that died of it would make the agent believe they had all exited. It leaves when the
+    agent does."""
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         with _forking_spawn():
@@ -96,9 +94,17 @@ def start_fork_server(module: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # A standby's agent imports at idle priority: ~4 CPU-seconds that would otherwise take cores from
+    # the job training beside it. Torch is imported only after that, here.
+    old = lower_priority() if os.environ.get(IDLE_IMPORT_ENV) == "1" else None
+    from torch.distributed import run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
+
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
     if not args.module:
         raise SystemExit("launch.forkrun: runs a module (-m MODULE), not a script")
+    importlib.import_module(args.training_script)  # before the fork: the server and every rank inherit it
+    restore_priority(old)  # the ranks set their own priority; the agent must not starve while it watches them
     start_fork_server(args.training_script)
     if args.standalone:  # as torchrun: a local c10d rendezvous on a free port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())

@@ -101,3 +101,19 @@ def test_step_times_taken_while_a_standby_imports_are_not_the_strategys() -> Non
     policy.standby_importing = False
     _feed(policy, 1, 11, 10, 0.05, gns=0.01)
     assert policy.samples[start] == [0.05] * 10
+
+
+def test_back_on_a_rung_it_decides_only_on_fresh_steps() -> None:
+    """A strategy visited before keeps its times, but a decision after the switch back waits for
+    min_steps timed steps of the new launch (its earlier times may be hours old, or taken beside a standby)."""
+    policy, events = _policy(min_steps=4, decision_every=1)
+    _feed(policy, 1, 1, 10, 0.05, gns=0.01)
+    policy.standby_importing = True  # launch 2 starts beside a standby: its steps are not timed
+    before = len([e for e in events.rows if e["kind"] == "decision"])
+    _feed(policy, 2, 11, 8, 0.05, gns=0.01)
+    assert len([e for e in events.rows if e["kind"] == "decision"]) == before  # old samples alone: no decision
+    policy.standby_importing = False
+    _feed(policy, 2, 19, 3, 0.05, gns=0.01)  # 3 timed steps: still none
+    assert len([e for e in events.rows if e["kind"] == "decision"]) == before
+    _feed(policy, 2, 22, 1, 0.05, gns=0.01)  # the 4th
+    assert len([e for e in events.rows if e["kind"] == "decision"]) == before + 1

@@ -63,6 +63,7 @@ class ConaPolicy(Policy):
         self._thread: threading.Thread | None = None
         self._launch: int | None = None
         self._launch_steps = 0
+        self._launch_timed = 0  # steps of this launch timed into `samples`
         self._last_gns: float | None = None
         self.probe: list[tuple[float, float, int, float]] = []  # (samples, val loss, gbs, GNS) per evaluation
         self.kappa_fit = KappaFit(1.0, 1.0, 1.0, 1.0, 0.0)
@@ -161,18 +162,20 @@ class ConaPolicy(Policy):
 
     def on_metric(self, row: dict[str, Any]) -> Stage | None:
         if row.get("launch") != self._launch:
-            self._launch, self._launch_steps = row.get("launch"), 0
+            self._launch, self._launch_steps, self._launch_timed = row.get("launch"), 0, 0
         self._launch_steps += 1
         cur = self.current.strategy
         if self._launch_steps > WARMUP_STEPS and not self.standby_importing:
             times = self.samples.setdefault(cur, [])
             times.append(row["iter_s"])
             del times[:-SAMPLE_WINDOW]  # recent steps only: follows host drift, bounds the saved state
+            self._launch_timed += 1
         gns = row.get("gns")
         if gns is not None:
             self._last_gns = gns
-        timed = len(self.samples.get(cur, []))
-        if timed < self.s.min_steps or self._launch_steps % self.s.decision_every:
+        # Fresh steps of this launch, not only those of an earlier visit to the strategy: a decision
+        # right after a switch back would otherwise rest on old times alone.
+        if self._launch_timed < self.s.min_steps or self._launch_steps % self.s.decision_every:
             return None
         self._maybe_search()
         if gns is None:
