@@ -5,6 +5,8 @@ from __future__ import annotations
 from cona_cli.config import config_from_dict
 from cona_cli.control.cona_policy import ConaPolicy
 from cona_cli.planner.hardware import load_hardware
+from cona_cli.planner.search import Candidate
+from cona_cli.strategy import Strategy
 from tests.support import TINY
 
 
@@ -117,3 +119,16 @@ def test_back_on_a_rung_it_decides_only_on_fresh_steps() -> None:
     assert len([e for e in events.rows if e["kind"] == "decision"]) == before
     _feed(policy, 2, 22, 1, 0.05, gns=0.01)  # the 4th
     assert len([e for e in events.rows if e["kind"] == "decision"]) == before + 1
+
+
+def test_an_unmeasured_rung_is_never_faster_than_the_measured_trend_of_its_layout() -> None:
+    """gbs 8 and 16 measured at 0.15 and 0.25 s put gbs 32 (same dp, tp, pp) on a line at 0.45 s: a
+    model prediction of 0.39 s does not make it a candidate, a slower one stands, other layouts are free."""
+    policy, _ = _policy()
+    s8, s16 = Strategy(4, 1, 1, 2, 8), Strategy(4, 1, 1, 4, 16)
+    policy.samples = {s8: [0.15] * 10, s16: [0.25] * 10}
+    s32 = Strategy(4, 1, 1, 8, 32)
+    assert abs(policy._optimistic_time(Candidate(s32, 0.39, 0.01, 0.0, 0.0), 0.25) - 0.45) < 1e-9
+    assert policy._optimistic_time(Candidate(s32, 0.60, 0.0, 0.0, 0.0), 0.25) == 0.60
+    other = Strategy(2, 2, 1, 8, 32)  # no measured trend of its own
+    assert policy._optimistic_time(Candidate(other, 0.39, 0.0, 0.0, 0.0), 0.25) == 0.39
