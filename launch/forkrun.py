@@ -13,6 +13,8 @@ its own). Ranks are never forked from the agent: its rendezvous and store thread
 and a fork taken while one of them held glibc's resolver lock left a rank deadlocked in its first
 `getaddrinfo` (seen once in the test suite). The server has a single thread (fork copies only the
 caller). Neither process touches a device (CUDA stays uninitialised, so the ranks may use it).
+With CONA_IDLE_IMPORT=1 (a standby, training beside a running job) the agent imports at idle
+scheduling priority and takes its own back before it forks the server.
 """
 
 from __future__ import annotations
