@@ -13,8 +13,6 @@ its own). Ranks are never forked from the agent: its rendezvous and store thread
 and a fork taken while one of them held glibc's resolver lock left a rank deadlocked in its first
 `getaddrinfo` (seen once in the test suite). The server has a single thread (fork copies only the
 caller). Neither process touches a device (CUDA stays uninitialised, so the ranks may use it).
-With CONA_IDLE_IMPORT=1 (a standby, training beside a running job) the agent imports at idle
-scheduling priority and takes its own back before it forks the server.
 """
 
 from __future__ import annotations
@@ -31,8 +29,10 @@ import traceback
 import uuid
 from collections.abc import Iterator, Sequence
 
+from torch.distributed import run as torchrun
+from torch.distributed.launcher.api import elastic_launch
+
 from cona_cli.rundir import PEER_LOST
-from launch.priority import IDLE_IMPORT_ENV, lower_priority, restore_priority
 
 FALLBACK_MASTER_PORT = 29500  # what torchrun sets when none is given (unused by the c10d rendezvous)
 # Forked ranks are watched as one group that reports only the first failure it sees: a rank that
@@ -83,10 +83,10 @@ def _forking_spawn() -> Iterator[None]:
 
 
 def start_fork_server(module: str) -> None:
-    """Fork the fork server from this process, which has imported MODULE (see the module docstring).
-    It ignores SIGTERM: a stop signal goes to the whole process group, the ranks handle it, and a
-    server that died of it would make the agent believe they had all exited. It leaves when the
-    agent does."""
+    """Import MODULE and fork the fork server (see the module docstring). It ignores SIGTERM: a stop
+    signal goes to the whole process group, the ranks handle it, and a server that died of it would
+    make the agent believe they had all exited. It leaves when the agent does."""
+    importlib.import_module(module)  # before the fork: the server and every rank inherit it
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         with _forking_spawn():
@@ -96,17 +96,9 @@ def start_fork_server(module: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # A standby's agent imports at idle priority: ~4 CPU-seconds that would otherwise take cores from
-    # the job training beside it. Torch is imported only after that, here.
-    old = lower_priority() if os.environ.get(IDLE_IMPORT_ENV) == "1" else None
-    from torch.distributed import run as torchrun
-    from torch.distributed.launcher.api import elastic_launch
-
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
     if not args.module:
         raise SystemExit("launch.forkrun: runs a module (-m MODULE), not a script")
-    importlib.import_module(args.training_script)  # before the fork: the server and every rank inherit it
-    restore_priority(old)  # the ranks set their own priority; the agent must not starve while it watches them
     start_fork_server(args.training_script)
     if args.standalone:  # as torchrun: a local c10d rendezvous on a free port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())

@@ -18,6 +18,7 @@ import argparse
 import functools
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -31,10 +32,34 @@ from launch import worker
 from launch.data import CorpusInfo
 from launch.device import init_distributed, placement
 from launch.layout import Layout, prepare_layout
-from launch.priority import lower_priority, restore_priority
 
 POLL_S = 0.1  # a waiting rank wakes this often (at 20 ms, 4 waiting ranks slowed a 4-rank job ~8% on 2 cores)
 STALE_S = 900.0  # a controller that has not rewritten its state file for this long is gone
+
+
+def lower_priority() -> tuple[int, int] | None:
+    """Idle scheduling for this process where it can be undone (root, or RLIMIT_NICE allows the
+    current nice value back); returns the (policy, nice) to restore, None if left as it was."""
+    old = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
+    if os.geteuid() != 0 and resource.getrlimit(resource.RLIMIT_NICE)[0] < 20 - old[1]:
+        return None
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        return None
+    return old
+
+
+def restore_priority(old: tuple[int, int] | None) -> bool:
+    """Back to the scheduling a normal launch has; False where the system does not allow it."""
+    if old is None:
+        return True
+    try:
+        os.sched_setscheduler(0, old[0], os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, 0, old[1])
+    except OSError:
+        return False
+    return True
 
 
 def controller_alive(run: RunDir) -> bool:

@@ -13,7 +13,6 @@ import types
 import pytest
 
 from launch import forkrun
-from launch.priority import IDLE_IMPORT_ENV
 from tests.support import REPO
 
 
@@ -53,21 +52,18 @@ def test_only_modules_are_run() -> None:
 
 def test_ranks_come_from_a_single_threaded_fork_server_with_their_module_loaded(tmp_path) -> None:
     """Not from the agent, whose threads may hold libc locks at a fork, but from a server the agent
-    forked after importing the module; each rank takes SIGTERM. Asked to (a standby's agent), the agent
-    imports at idle priority and the ranks start at the normal one."""
+    forked after importing the module; each rank takes SIGTERM."""
     (tmp_path / "cona_probe_rank.py").write_text(
         "import json, os, signal, sys\n"
         "IMPORTED_IN = os.getpid()\n"
-        "IMPORT_SCHED = os.sched_getscheduler(0)\n"
         "def main():\n"
         "    out = os.path.join(sys.argv[1], os.environ['RANK'] + '.json')\n"
         "    handler = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL\n"
         "    threads = len(os.listdir(f'/proc/{os.getppid()}/task'))\n"
-        "    doc = {'ppid': os.getppid(), 'sigterm_default': handler, 'imported_in': IMPORTED_IN, 'threads': threads,\n"
-        "           'import_sched': IMPORT_SCHED, 'sched': os.sched_getscheduler(0)}\n"
+        "    doc = {'ppid': os.getppid(), 'sigterm_default': handler, 'imported_in': IMPORTED_IN, 'threads': threads}\n"
         "    open(out, 'w').write(json.dumps(doc))\n"
     )
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", IDLE_IMPORT_ENV: "1"}
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     argv = [sys.executable, "-m", "launch.forkrun", "--standalone", "--nproc-per-node=2"]
     agent = subprocess.Popen([*argv, "-m", "cona_probe_rank", str(tmp_path)], cwd=REPO, env=env)
     assert agent.wait(timeout=120) == 0
@@ -75,8 +71,6 @@ def test_ranks_come_from_a_single_threaded_fork_server_with_their_module_loaded(
     assert ranks[0]["ppid"] == ranks[1]["ppid"] != agent.pid  # siblings, children of the fork server
     assert ranks[0]["threads"] == 1  # the server: nothing else runs while it forks
     assert all(r["sigterm_default"] and r["imported_in"] == agent.pid for r in ranks)  # imported once, by the agent
-    idle = os.SCHED_IDLE if os.geteuid() == 0 else os.sched_getscheduler(0)  # not root: RLIMIT_NICE may forbid it
-    assert all(r["import_sched"] == idle and r["sched"] == os.sched_getscheduler(0) for r in ranks)
 
 
 def test_the_agent_exits_with_torchruns_codes_without_teardown(tmp_path) -> None:

@@ -49,7 +49,6 @@ from cona_cli.planner.memory import memory_bytes
 from cona_cli.planner.workload import Workload
 from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy
-from launch.priority import IDLE_IMPORT_ENV
 
 INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGKILL
 NODE_FAILURE_GRACE_S = 20.0  # for the other nodes to stop after one node failed, before SIGKILL
@@ -400,11 +399,9 @@ class Controller:
         agent, path, failure = next((r for r in parsed if not r[2].knock_on), parsed[0])
         return LaunchResult(failure.exit_code, outcome, agent, failure, path), requested
 
-    def _start(
-        self, launch: int, tail: list[str], extra_env: dict[str, str] | None = None
-    ) -> tuple[list[Agent], list[threading.Thread]]:
-        """Start torchrun on every node (its own rendezvous) running `tail`, with `extra_env` added
-        to the run's environment; its output pumped to the launch's logs."""
+    def _start(self, launch: int, tail: list[str]) -> tuple[list[Agent], list[threading.Thread]]:
+        """Start torchrun on every node (its own rendezvous) running `tail`; its output pumped to the
+        launch's logs."""
         c = self.cfg.cluster
         rdzv = rendezvous(c, self.nodes, f"cona-{self.telemetry.token[:8]}-{launch}") if self.multi_node else None
         env = {
@@ -413,7 +410,6 @@ class Controller:
             "CONA_RUN_START": repr(self.run_start),
             "OMP_NUM_THREADS": str(threads_per_proc(self.cfg)),
             "PYTHONUNBUFFERED": "1",
-            **(extra_env or {}),
         }
         if c.launcher == "local":
             env["CONA_CONTROLLER_PID"] = str(os.getpid())  # a standby leaves when the controller is gone
@@ -439,8 +435,7 @@ class Controller:
         self.files.launches.mkdir(exist_ok=True)
         self.files.handover(launch).unlink(missing_ok=True)
         self.files.standby_ready(launch).unlink(missing_ok=True)
-        # Its agents import torch at idle priority: otherwise the import slows the job's first steps ~1.8x.
-        agents, pumps = self._start(launch, standby_args(self.run_dir, launch), {IDLE_IMPORT_ENV: "1"})
+        agents, pumps = self._start(launch, standby_args(self.run_dir, launch))
         self.standby = Standby(launch, agents, pumps)
         self.state.standby_pids = [a.pid for a in agents]
         self.policy.standby_importing = True
