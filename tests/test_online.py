@@ -123,7 +123,7 @@ def test_back_on_a_rung_it_decides_only_on_fresh_steps() -> None:
 
 def test_an_unmeasured_rung_is_never_faster_than_the_measured_trend_of_its_layout() -> None:
     """gbs 8 and 16 measured at 0.15 and 0.25 s put gbs 32 (same dp, tp, pp) on a line at 0.45 s: a
-    model prediction of 0.39 s does not make it a candidate, a slower one stands, other layouts are free."""
+    model prediction of 0.39 s is raised to it, a slower one stands, a layout without a trend keeps its own."""
     policy, _ = _policy()
     s8, s16 = Strategy(4, 1, 1, 2, 8), Strategy(4, 1, 1, 4, 16)
     policy.samples = {s8: [0.15] * 10, s16: [0.25] * 10}
