@@ -313,3 +313,16 @@ def test_workers_keep_freed_memory_unless_the_user_set_malloc(monkeypatch: pytes
     assert allocator_env(mine) == {"MALLOC_MMAP_THRESHOLD_": GLIBC_MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]}
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert allocator_env(mine) == {}
+
+
+def test_closing_the_pipe_to_an_ssh_client_that_already_exited_is_quiet() -> None:
+    """ssh to a host that refuses the connection exits before the launcher's line is sent; that line
+    stays buffered, and closing the pipe used to raise BrokenPipeError, which click turns into a
+    silent exit 1 (seen as a flaky unreachable-node test: no one-line error)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE, text=True, bufsize=1)
+    proc.wait()
+    with pytest.raises(BrokenPipeError):
+        proc.stdin.write("a line for the agent\n")  # line-buffered: flushed now, into a closed pipe
+    agent = Agent("127.0.0.3", [], proc, control=True)
+    agent.close_stdin()
+    assert proc.stdin.closed

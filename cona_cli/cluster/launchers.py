@@ -53,6 +53,16 @@ class Agent:
                 sig = signal.SIGKILL  # the connection is gone: only the local end is left to stop
         self._killpg(sig)
 
+    def close_stdin(self) -> None:
+        """Close the pipe to an ssh agent: it tells the node nothing is coming (a line left unsent when
+        ssh had already exited, e.g. a host that refused the connection, is dropped)."""
+        if self.proc.stdin is None:
+            return
+        try:
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass  # the close still releases the pipe; its flush found the reader gone
+
     def abandon(self) -> None:
         """Kill the local end (an ssh client whose node stopped answering)."""
         self._killpg(signal.SIGKILL)

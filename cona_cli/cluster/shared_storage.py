@@ -77,8 +77,7 @@ def _wait(agents: list[Agent], deadline_s: float) -> tuple[list[str], set[int]]:
         time.sleep(0.1)
     for r, a in zip(readers, agents):
         r.join(timeout=5)
-        if a.proc.stdin:
-            a.proc.stdin.close()
+        a.close_stdin()
     return ["".join(out) for out in outputs], stopped
 
 
