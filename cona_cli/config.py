@@ -260,6 +260,7 @@ class SearchConfig:
     horizon_s: float = _f(120.0, _positive)  # a switch must pay back its cost within this time
     switch_cost_s: float = _f(5.0, _non_negative)  # initial estimate of a cold relaunch, replaced by measured ones
     warm_switch_cost_s: float = _f(2.0, _non_negative)  # the same for a hand-over to a ready standby
+    in_place: bool = _f(True)  # switches that keep dp, tp and pp (pp = 1) resize the running job, no relaunch
     decision_every: int = _f(5, _positive)  # steps between decisions
     min_steps: int = _f(5, _positive)  # timed steps of a strategy before deciding
     optimism: float = _f(1.0, _non_negative)  # stds taken off the predicted T of strategies never run

@@ -69,6 +69,14 @@ class Strategy:
         return cls(**values)
 
 
+def resizable(current: Strategy, target: Strategy) -> bool:
+    """Whether a running job can move from `current` to `target` in place, without a relaunch: the same
+    mesh (dp, tp, pp) with another micro- and/or global batch, and no pipeline (its schedule and stage
+    buffers are built for one micro-batch shape and count)."""
+    same_mesh = (current.dp, current.tp, current.pp) == (target.dp, target.tp, target.pp)
+    return same_mesh and current.pp == 1 and current != target
+
+
 def divisibility_problems(s: Strategy, world: int, n_layers: int, n_heads: int, n_kv_heads: int) -> list[str]:
     """Reasons why `s` cannot run on `world` ranks for this model shape (empty when it can)."""
     problems = []

@@ -51,26 +51,25 @@ class SmallBatchNorms:
     """
 
     def __init__(self, pm: ParallelModel) -> None:
-        s = pm.strategy
         self.pm = pm
-        self.available = s.dp > 1 or s.n_microbatches > 1
-        self.b_small = s.gbs // s.dp if s.dp > 1 else s.mbs
-        self.n_small = s.dp if s.dp > 1 else 1
         self._share: torch.Tensor | float = 0.0
         self._pending: list[torch.Tensor] = []
         self._tied_first: list[torch.Tensor] = []  # first micro-batch gradients of tied copies (pp > 1)
         self._hooks: dict[torch.nn.Parameter, torch.utils.hooks.RemovableHandle] = {}
-        self._scale = 1.0
-        self._first_microbatch = False
-        if not self.available:
-            return
-        if isinstance(pm.wrapped, DDP):
+        if isinstance(pm.wrapped, DDP):  # DDP is only built with dp > 1
             pm.wrapped.register_comm_hook(pm.wrapped.process_group, self._ddp_hook)
-        elif s.dp == 1:
-            # The first micro-batch's gradient arrives as g_0 / m with pp = 1 (we scale the loss),
-            # as g_0 under pipelining (the schedule rescales after the last backward).
-            self._scale = float(s.n_microbatches) ** 2 if s.pp == 1 else 1.0
-            self._first_microbatch = True
+        self.resize()
+
+    def resize(self) -> None:
+        """Follow the strategy's batch sizes (after an in-place resize: the layout is the same)."""
+        s = self.pm.strategy
+        self.available = s.dp > 1 or s.n_microbatches > 1
+        self.b_small = s.gbs // s.dp if s.dp > 1 else s.mbs
+        self.n_small = s.dp if s.dp > 1 else 1
+        # dp = 1: the first micro-batch's gradient arrives as g_0 / m with pp = 1 (we scale the loss),
+        # as g_0 under pipelining (the schedule rescales after the last backward).
+        self._first_microbatch = self.available and s.dp == 1
+        self._scale = float(s.n_microbatches) ** 2 if self._first_microbatch and s.pp == 1 else 1.0
 
     def begin_step(self) -> None:
         self._share = 0.0

@@ -3,6 +3,8 @@
 `python -m launch.worker --run-dir RUN --strategy dp2-tp1-pp2-mbs2-gbs16 --launch 2 [--resume CKPT]
 [--stop-step N]`. Trains from the checkpoint (or from scratch) until a stop rule, the stage end or a
 controller command, saves a checkpoint and writes `RUN/launches/NNN.json` saying why it stopped.
+The controller may also change the micro- and global batch in place (`resize`: same dp, tp and pp,
+pp = 1): every rank takes the new batch from the step after the one in which rank 0 read the command.
 Also checkpoints every `train.checkpoint_interval` steps / `checkpoint_interval_s` seconds, and
 checkpoints and exits if the controller goes away (its telemetry connection closes). A checkpoint
 that cannot be loaded ends the rank with exit code `BAD_CHECKPOINT_EXIT`.
@@ -18,9 +20,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from cona_cli.config import Config, config_from_json
 from cona_cli.gns import NoiseScale, two_batch_estimate
 from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, RunDir
-from cona_cli.strategy import Strategy
+from cona_cli.strategy import Strategy, resizable
 from launch import checkpoint, testhooks
 from launch.data import CorpusInfo, TokenStream, eval_batches, replica_microbatches
 from launch.device import (
@@ -73,6 +75,7 @@ class StepOut(NamedTuple):
     checkpoint: bool  # rank 0 wants a time-based periodic checkpoint after this step
     noise: dict[str, float]
     memory: dict[str, Any]  # peak memory (max over ranks) and the planner's estimate
+    strategy: Strategy  # what the step ran under (the next one may run resized)
 
 
 def out_of_memory_line(rank: int, strategy: Strategy, peak: int, e: BaseException) -> str:
@@ -82,17 +85,16 @@ def out_of_memory_line(rank: int, strategy: Strategy, peak: int, e: BaseExceptio
 
 
 @contextmanager
-def exit_on_out_of_memory(strategy: Strategy, device: torch.device) -> Iterator[None]:
-    """An out-of-memory error ends the rank with `OUT_OF_MEMORY_EXIT` and one line naming the strategy and
-    the rank's measured peak (the controller marks the strategy infeasible)."""
+def exit_on_out_of_memory(strategy: Callable[[], Strategy], device: torch.device) -> Iterator[None]:
+    """An out-of-memory error ends the rank with `OUT_OF_MEMORY_EXIT` and one line naming the strategy
+    running then and the rank's measured peak (the controller marks the strategy infeasible)."""
     try:
         yield
     except Exception as e:
         if not is_out_of_memory(e):
             raise
-        print(
-            out_of_memory_line(dist.get_rank(), strategy, int(peak_memory(device)[0]), e), file=sys.stderr, flush=True
-        )
+        line = out_of_memory_line(dist.get_rank(), strategy(), int(peak_memory(device)[0]), e)
+        print(line, file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(OUT_OF_MEMORY_EXIT)  # not sys.exit: the other ranks wait in collectives that will never complete
 
@@ -143,6 +145,7 @@ class Worker:
         self.had_controller = self.telemetry is not None and self.telemetry.connected
         self.stop_requested = False
         self.switch_requested = False  # the controller's stop command is for a switch, not the run's end
+        self.resize_requested: Strategy | None = None  # rank 0: the batch the controller asked for
         self.saved: tuple[int, Path] | None = None  # (step, path) of the checkpoint this state is in
         self.last_save_time = self.now()
         self.metrics = open(self.files.metrics, "a") if self.rank == 0 else None
@@ -262,7 +265,8 @@ class Worker:
             self.poll_commands()  # as late as possible: a command that came during this step stops after it
             command = _STOP_SWITCH if self.switch_requested else _STOP_COMMAND
             stop = command if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
-        loss_total, grad_sq, small_sq, stop_code, eval_votes, ckpt_votes, *slots = self._reduce(
+        resize, self.resize_requested = self.resize_requested, None
+        loss_total, grad_sq, small_sq, stop_code, eval_votes, ckpt_votes, new_mbs, new_gbs, *slots = self._reduce(
             [
                 loss_sum if self._counts_loss() else 0.0,
                 local_grad_sq(self.pm),
@@ -270,6 +274,8 @@ class Worker:
                 stop,
                 float(self.rank == 0 and want_eval),
                 float(self.rank == 0 and self.checkpoint_due_by_time()),
+                float(resize.mbs) if resize else 0.0,
+                float(resize.gbs) if resize else 0.0,
                 *self._memory_slots(),
             ]
         )
@@ -282,7 +288,7 @@ class Worker:
         st.consumed_samples += s.gbs
         stop_reason = {_STOP_COMMAND: "command", _STOP_SWITCH: "command", _STOP_TIME: "max_time"}.get(stop_code)
         self.switch_requested = stop_code == _STOP_SWITCH  # every rank learns it: ends_run() must agree
-        return StepOut(
+        out = StepOut(
             loss_total / (s.dp * s.n_microbatches),
             grad_norm,
             stop_reason,
@@ -290,7 +296,21 @@ class Worker:
             ckpt_votes > 0,
             noise,
             self.memory_fields(slots),
+            s,
         )
+        if new_gbs:
+            self.resize(replace(s, mbs=round(new_mbs), gbs=round(new_gbs)))
+        return out
+
+    def resize(self, strategy: Strategy) -> None:
+        """Run the next steps under `strategy`, the same layout with another micro- and global batch: the
+        data stream continues at `consumed_samples`, the LR follows the new batch, and the GNS estimator
+        and the evaluation batches are rebuilt for it. Every rank calls this after the same step."""
+        self.strategy = self.pm.strategy = strategy
+        if self.small is not None:
+            self.small.resize()
+        self.__dict__.pop("eval_set", None)
+        self.memory_estimate = self.files.memory_estimates().get(str(strategy))
 
     def _update_noise(self, small_total: float, big_sq: float) -> dict[str, float]:
         """Feed one step's norms to the GNS estimator; returns the metric fields."""
@@ -376,6 +396,12 @@ class Worker:
             if msg.get("cmd") == "checkpoint_and_exit":
                 self.stop_requested = True
                 self.switch_requested = bool(msg.get("switch"))
+            elif msg.get("cmd") == "resize":
+                target = Strategy.parse(msg["strategy"])
+                if resizable(self.strategy, target):
+                    self.resize_requested = target
+                else:
+                    print(f"cona-worker: ignoring resize {self.strategy} -> {target}: not the same layout", flush=True)
         if not self.telemetry.connected:
             self.stop_requested = True
 
@@ -392,7 +418,7 @@ class Worker:
         return not (reason == "command" and self.switch_requested)
 
     def train(self, stop_step: int | None, fresh: bool) -> dict[str, Any]:
-        t, st, s = self.cfg.train, self.state, self.strategy
+        t, st = self.cfg.train, self.state
         if self.telemetry is not None:
             self.telemetry.send(
                 {
@@ -415,7 +441,7 @@ class Worker:
             out = self.train_step(self.eval_due())
             synchronize(self.device)  # the optimizer step may still be queued on a GPU
             iter_s = time.perf_counter() - t0
-            st.time = self.now()
+            st.time, s = self.now(), out.strategy
             if not self.timeouts_shortened:  # communicators built, shapes inferred: steady-state timeout
                 groups = [self.mesh[d].get_group() for d in ("pp", "dp", "tp")]
                 shorten_timeouts(self.cfg.cluster.collective_timeout_s, groups)
@@ -487,7 +513,7 @@ def run(
         print(f"cona-worker: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    with exit_on_out_of_memory(strategy, device):
+    with exit_on_out_of_memory(lambda: strategy, device):
         worker = Worker(cfg, run_dir, strategy, launch, device, layout if resume is not None else None)
     # SIGTERM from torchrun or the controller: finish the step, checkpoint, exit.
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop_requested", True))
@@ -501,7 +527,7 @@ def run(
             # "terminate called without an active exception") and the controller would never see the code.
             os._exit(BAD_CHECKPOINT_EXIT)
     worker.setup_s = time.time() - t_start
-    with exit_on_out_of_memory(strategy, device):
+    with exit_on_out_of_memory(lambda: worker.strategy, device):
         result = worker.train(stop_step, fresh=resume is None)
     if worker.rank == 0:
         out = RunDir(run_dir).launch_outcome(launch)

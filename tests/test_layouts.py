@@ -1,6 +1,7 @@
 """Every world-4 layout matches single-process training, for every model family (FSDP under TP and PP
-too); DCP checkpoints reshard across layouts, also into a layout built ahead (a standby's); tied
-embeddings stay equal on both pipeline ends; a checkpoint one rank cannot read fails on every rank."""
+too); DCP checkpoints reshard across layouts, also into a layout built ahead (a standby's); an in-place
+resize continues as a relaunch from a checkpoint would; tied embeddings stay equal on both pipeline
+ends; a checkpoint one rank cannot read fails on every rank."""
 
 from __future__ import annotations
 
@@ -62,3 +63,18 @@ def test_a_checkpoint_one_rank_cannot_read_fails_every_rank(results: dict) -> No
     errors = results["load_failure"]
     assert len(errors) == 4 and len(set(errors)) == 1, errors
     assert "cannot load (ValueError: shard garbled on this rank)" in errors[0] and "ckpt_3" in errors[0]
+
+
+def test_an_in_place_resize_continues_as_a_relaunch_would(results: dict) -> None:
+    """Same losses, gradient norms, GNS measurements and validation loss after a resize under DDP, TP and
+    dp = 1 as after a relaunch into the new batch from the checkpoint taken at the resize."""
+    assert len(results["resize"]) == 3
+    for r in results["resize"]:
+        old, new = r["ran"]
+        assert old.endswith("gbs8") and new.endswith("gbs16"), r  # the resize takes effect after its step
+        assert r["consumed"] == [8 + 8 + 16 + 16] * 2, r
+        for got, want in zip(r["in_place"], r["relaunch"]):
+            assert got[2] is not None and got[3] is not None, r  # the GNS estimator measured both steps
+            for g, w in zip(got, want):
+                assert abs(g - w) <= 1e-5 * max(1.0, abs(w)), r
+        assert abs(r["eval"][0] - r["eval"][1]) <= 1e-5, r

@@ -3,8 +3,9 @@
 Every `decision_every` steps it compares the running strategy (measured median s/iter) with the
 frontier candidates (the best predicted strategies at the next `lookahead` rungs), with the best
 layout at the same rung and with the rung it climbed from (at that rung's measured speed, which undoes
-a move that did not pay), using Φ_κ at the current smoothed GNS and the learned switch cost
-(`switch_rule.decide`). Moving down is decided by the same rule, never by the GNS trend alone.
+a move that did not pay), using Φ_κ at the current smoothed GNS and the learned cost of the switch
+it would take (`switch_rule.decide`): an in-place resize when only the batch changes, else a hand-over
+to a ready standby or a cold relaunch. Moving down is decided by the same rule, never by the GNS trend alone.
 A background thread recalibrates the iteration-time model from the measured step times and reruns
 the search whenever the measurements moved, and after every switch.
 """
@@ -26,7 +27,7 @@ from cona_cli.planner.kappa import Curve, KappaFit, fit_kappa
 from cona_cli.planner.search import Candidate, SearchResult, search_gbs
 from cona_cli.planner.space import enumerate_space, gbs_ladder
 from cona_cli.planner.workload import Workload
-from cona_cli.strategy import Strategy
+from cona_cli.strategy import Strategy, resizable
 
 WARMUP_STEPS = 2  # first steps of a launch (pipeline shape inference, allocator) are not timed
 REMEASURE = 0.1  # rerun the search when the running strategy's median moved by this fraction
@@ -56,6 +57,8 @@ class ConaPolicy(Policy):
         self.samples: dict[Strategy, list[float]] = {}  # measured s/iter of strategies that ran
         self.switch_costs: list[float] = []  # measured cold relaunches
         self.warm_switch_costs: list[float] = []  # measured hand-overs to a ready standby
+        self.resize_costs: list[float] = []  # measured in-place resizes
+        self.in_place = self.s.in_place
         self.previous: list[Strategy] = []  # strategies of the lower rungs we climbed from
         self._lock = threading.Lock()
         self._results: dict[int, SearchResult] = {}
@@ -150,9 +153,12 @@ class ConaPolicy(Policy):
         thread.start()
         return thread
 
-    def switch_cost(self) -> float:
-        """The median of measured switches of the kind that would happen now: with a ready standby
-        (warm) or a cold relaunch; the configured estimates until one was measured."""
+    def switch_cost(self, target: Strategy | None = None) -> float:
+        """The median of measured switches of the kind a switch to `target` would be now: an in-place
+        resize (0 until one was measured), a hand-over to a ready standby (warm) or a cold relaunch
+        (the configured estimates until one was measured)."""
+        if target is not None and self.in_place and resizable(self.current.strategy, target):
+            return statistics.median(self.resize_costs) if self.resize_costs else 0.0
         if self.standby_ready:
             return statistics.median(self.warm_switch_costs) if self.warm_switch_costs else self.s.warm_switch_cost_s
         return statistics.median(self.switch_costs) if self.switch_costs else self.s.switch_cost_s
@@ -213,7 +219,7 @@ class ConaPolicy(Policy):
                 cand.strategy.gbs,
                 t_cand,
                 gns,
-                self.switch_cost(),
+                self.switch_cost(cand.strategy),
                 self.s.horizon_s,
                 self.s.margin,
                 self.kappa(),
@@ -258,16 +264,24 @@ class ConaPolicy(Policy):
     def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
         if requested is None:
             return None
+        self._moved(requested)
+        return requested
+
+    def resized(self, stage: Stage, seconds: float) -> None:
+        self.resize_costs.append(seconds)
+        self._moved(stage)
+        self._launch_steps = self._launch_timed = 0  # the first steps under the new batch: as after a launch
+
+    def _moved(self, stage: Stage) -> None:
         old = self.current.strategy
-        if self.previous and requested.strategy == self.previous[-1]:  # back down
+        if self.previous and stage.strategy == self.previous[-1]:  # back down
             self.previous.pop()
-        elif requested.strategy.gbs > old.gbs:
+        elif stage.strategy.gbs > old.gbs:
             self.previous.append(old)
-        self.current = requested
+        self.current = stage
         self.leading = None  # the next standby prepares what the next decision leads with, not this move
         self.refit_kappa()
         self._searched_for = None  # a new frontier: search again once the new strategy is measured
-        return requested
 
     def infeasible(self, strategy: Strategy) -> Stage | None:
         """Drop a strategy that ran out of memory from the space; continue with the best one left at the
@@ -292,6 +306,7 @@ class ConaPolicy(Policy):
             "samples": {str(k): v for k, v in self.samples.items()},
             "switch_costs": self.switch_costs,
             "warm_switch_costs": self.warm_switch_costs,
+            "resize_costs": self.resize_costs,
             "previous": [str(p) for p in self.previous],
             "probe": self.probe,
             "kappa_fit": vars(self.kappa_fit),
@@ -305,6 +320,7 @@ class ConaPolicy(Policy):
         self.samples = {Strategy.parse(k): list(v) for k, v in state["samples"].items()}
         self.switch_costs = list(state["switch_costs"])
         self.warm_switch_costs = list(state.get("warm_switch_costs", []))
+        self.resize_costs = list(state.get("resize_costs", []))
         self.previous = [Strategy.parse(p) for p in state["previous"]]
         self.probe = [tuple(p) for p in state.get("probe", [])]
         if "kappa_fit" in state:
@@ -321,7 +337,7 @@ class ConaPolicy(Policy):
             "current": self.current.strategy.to_dict(),
             "switch": switch,
             "why": why,
-            "switch_cost_s": round(self.switch_cost(), 3),
+            "switch_cost_s": round(self.switch_cost(cand.strategy if cand is not None else None), 3),
             "kappa": round(self.kappa(), 4),
             "kappa_interval": [round(self.kappa_fit.low, 4), round(self.kappa_fit.high, 4)]
             if self.s.kappa == "auto"

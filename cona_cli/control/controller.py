@@ -48,7 +48,7 @@ from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.memory import memory_bytes
 from cona_cli.planner.workload import Workload
 from cona_cli.rundir import RunDir
-from cona_cli.strategy import Strategy
+from cona_cli.strategy import FIELDS, Strategy, resizable
 
 INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGKILL
 NODE_FAILURE_GRACE_S = 20.0  # for the other nodes to stop after one node failed, before SIGKILL
@@ -103,6 +103,11 @@ def worker_args(run_dir: Path, stage: Stage, launch: int, resume: Path | None) -
     if stage.stop_step is not None:
         args += ["--stop-step", str(stage.stop_step)]
     return args
+
+
+def step_strategy(row: dict[str, Any]) -> Strategy:
+    """The strategy a worker's step row ran under."""
+    return Strategy(*(int(row[f]) for f in FIELDS))
 
 
 def threads_per_proc(cfg: Config) -> int:
@@ -167,6 +172,8 @@ class Controller:
         self.standby: Standby | None = None  # the pre-warmed next launch, if one runs
         self._exiting: list[tuple[Agent, threading.Thread]] = []  # a switched-from job still shutting down
         self._switch: dict[str, float | bool] = {}  # run times of the running switch's phases, standby flags
+        self.stage: Stage | None = None  # what the running launch runs (an in-place resize changes it)
+        self._resizing: Stage | None = None  # a resize sent to the running job, not yet seen in its steps
 
     # -- public ------------------------------------------------------------------------------
 
@@ -213,7 +220,7 @@ class Controller:
                 return self._interrupted(None)
             self._save_state(stage, prev)
             result, requested = self._run_launch(stage, ckpt, prev, progress, launch_reason)
-            outcome = result.outcome
+            stage, outcome = self.stage, result.outcome
             if self.signal_received is not None:
                 return self._interrupted(outcome)
             if result.returncode != 0 or outcome is None:
@@ -350,6 +357,7 @@ class Controller:
         self, stage: Stage, resume: Path | None, prev: Prev | None, progress: Progress, reason: str | None
     ) -> tuple[LaunchResult, Stage | None]:
         self.launch += 1
+        self.stage, self._resizing = stage, None
         step = checkpoints.checkpoint_step(resume) if resume else 0
         self._record_memory_estimate(stage.strategy)
         outcome_path = self.files.launch_outcome(self.launch)
@@ -380,7 +388,7 @@ class Controller:
         self.state.agent_pids = [a.pid for a in agents]
         self._save_state(stage, prev)
         per_node = len(agents) > 1
-        requested, failed, exiting = self._follow(agents, stage, prev, progress, outcome_path)
+        requested, failed, exiting = self._follow(agents, prev, progress, outcome_path)
         self._switch["outcome"] = time.time() - self.run_start
         if exiting:  # handed over before the old job finished exiting: it ends in the background
             self._exiting += list(zip(agents, pumps))
@@ -388,8 +396,8 @@ class Controller:
             for pump in pumps:
                 pump.join(timeout=5)
         outcome = json.loads(outcome_path.read_text()) if outcome_path.is_file() else None
-        self._drain(stage, prev, progress)
-        self._save_state(stage, prev)
+        self._drain(prev, progress)
+        self._save_state(self.stage, prev)
         if not failed:
             return LaunchResult(0, outcome, None, None, self._log_path(agents[0], per_node)), requested
         parsed = [
@@ -427,9 +435,23 @@ class Controller:
             pump.start()
         return agents, pumps
 
+    def _relaunch_expected(self) -> Strategy | None:
+        """The strategy the next switch most likely goes to, unless the running job can resize into it."""
+        nxt = self.policy.expected_next()
+        if nxt is not None and self._resizes_into(nxt):
+            return None
+        return nxt
+
+    def _resizes_into(self, strategy: Strategy) -> bool:
+        return self.policy.in_place and self.stage is not None and resizable(self.stage.strategy, strategy)
+
     def _maybe_start_standby(self) -> None:
-        """Once a launch is stepping, pre-warm the next one if a switch may come."""
+        """Once a launch is stepping, pre-warm the next one if a switch may come. With CPU ranks and a
+        policy that resizes in place, only once the switch it expects next needs a new layout: there a
+        standby's start takes cores from the job."""
         if self.standby is not None or not self.cfg.cluster.standby or not self.policy.may_switch():
+            return
+        if self.policy.in_place and not may_use_gpus(self.cfg.cluster) and self._relaunch_expected() is None:
             return
         launch = self.launch + 1
         self.files.launches.mkdir(exist_ok=True)
@@ -513,7 +535,7 @@ class Controller:
                     self.console.print(text, markup=False, highlight=False)
 
     def _follow(
-        self, agents: list[Agent], stage: Stage, prev: Prev | None, progress: Progress, outcome_path: Path
+        self, agents: list[Agent], prev: Prev | None, progress: Progress, outcome_path: Path
     ) -> tuple[Stage | None, list[Agent], bool]:
         """Wait for every node's agent to end, handling telemetry, switch requests and signals.
         Returns the stage requested by the policy, the agents that failed, in the order seen, and
@@ -536,13 +558,14 @@ class Controller:
             self.policy.standby_importing = (
                 self.standby is not None and not self.standby.ready_logged and self.standby.alive()
             )
-            switch_to = self._drain(stage, prev, progress, wait=0.2)
+            switch_to = self._drain(prev, progress, wait=0.2)
             if self._dirty:
-                self._save_state(stage, prev)
-            if switch_to is not None and requested is None:
-                requested = switch_to
+                self._save_state(self.stage, prev)
+            if switch_to is not None and requested is None and self._resizing is None:
                 self._switch = {"decision": time.time() - self.run_start}
-            self._maybe_prepare(requested.strategy if requested is not None else self.policy.expected_next())
+                if not (self._resizes_into(switch_to.strategy) and self._resize(switch_to)):
+                    requested = switch_to
+            self._maybe_prepare(requested.strategy if requested is not None else self._relaunch_expected())
             wants_stop = requested is not None or self.signal_received is not None or failed
             if wants_stop and stop_sent_at is None:
                 # For a switch the workers skip the evaluation that ends a run.
@@ -561,7 +584,39 @@ class Controller:
                     a.abandon()
                 abandoned = True
 
-    def _drain(self, stage: Stage, prev: Prev | None, progress: Progress, wait: float = 0.0) -> Stage | None:
+    def _resize(self, stage: Stage) -> bool:
+        """Ask the running job to take `stage`'s batch from its next step; False if it cannot be told."""
+        self._record_memory_estimate(stage.strategy)
+        if not self.telemetry.send({"cmd": "resize", "strategy": str(stage.strategy)}):
+            return False
+        self._resizing = stage
+        return True
+
+    def _resized(self, row: dict[str, Any]) -> None:
+        """The first step under the batch the job was asked to resize to: record the switch."""
+        stage, old = self._resizing, self.stage
+        assert stage is not None and old is not None
+        started = row["time"] - row["iter_s"]
+        seconds = started - self.last_metric["time"]  # between the last step before and the first after
+        decided = float(self._switch.get("decision", started))
+        self.events.write(
+            "switch",
+            step=row["step"] - 1,
+            to=stage.strategy.to_dict(),
+            reason=stage.reason,
+            seconds=round(seconds, 4),
+            in_place=True,
+            phases={"resize": round(started - decided, 4), "first_step": round(row["iter_s"], 4)},
+            decision_to_first_step_s=round(row["time"] - decided, 4),
+            standby=False,
+            standby_ready=False,
+            prepared=False,
+            **{"from": old.strategy.to_dict()},
+        )
+        self.stage, self._resizing, self._switch = stage, None, {}
+        self.policy.resized(stage, seconds)
+
+    def _drain(self, prev: Prev | None, progress: Progress, wait: float = 0.0) -> Stage | None:
         """Handle queued telemetry messages; returns a stage the policy wants to switch to."""
         switch_to = None
         self._dirty = False
@@ -570,14 +625,16 @@ class Controller:
         except queue.Empty:
             return None
         while True:
-            switch_to = self._handle(msg, stage, prev, progress) or switch_to
+            switch_to = self._handle(msg, prev, progress) or switch_to
             try:
                 msg = self.telemetry.messages.get_nowait()
             except queue.Empty:
                 return switch_to
 
-    def _handle(self, msg: dict[str, Any], stage: Stage, prev: Prev | None, progress: Progress) -> Stage | None:
+    def _handle(self, msg: dict[str, Any], prev: Prev | None, progress: Progress) -> Stage | None:
         kind = msg.get("type")
+        stage = self.stage
+        assert stage is not None
         if kind == "metric" and self.tensorboard is not None:
             self.tensorboard.metric(msg)
         if kind == "ready" and msg.get("launch") == self.launch:
@@ -592,6 +649,10 @@ class Controller:
             self.last_eval = msg
             self.policy.on_eval(msg)
         elif kind == "metric" and msg.get("kind") == "step":
+            resizing = self._resizing
+            if resizing is not None and msg.get("launch") == self.launch and step_strategy(msg) == resizing.strategy:
+                self._resized(msg)
+                stage = resizing
             first_of_launch = self.last_metric.get("launch") != msg.get("launch")
             self.last_metric, self._dirty = msg, True
             if first_of_launch and prev is not None and prev[0] != stage.strategy:

@@ -2,7 +2,8 @@
 
 A policy sees every metric row the workers stream and the outcome of every launch. The controller
 asks it for the first stage, may be told mid-launch to switch (it then has the workers checkpoint
-and exit), and asks for the next stage whenever a launch ends. After a failure or a `--resume` it
+and exit, or resizes the running job when only the batch changes and the policy allows it), and asks
+for the next stage whenever a launch ends. After a failure or a `--resume` it
 asks which stage continues from the restored step, and it saves and restores the policy's state.
 """
 
@@ -35,6 +36,9 @@ class Policy:
 
     def __init__(self) -> None:
         self.events: EventSink | None = None  # the controller's events.jsonl, for policies that log
+        # Whether a switch it asks for that keeps the layout (see `strategy.resizable`) may resize the
+        # running job instead of relaunching it; the controller then calls `resized`, not `after_launch`.
+        self.in_place = False
         self.standby_ready = False  # set by the controller: a pre-warmed job waits, switches are cheap now
         # Set by the controller while a standby imports beside the job: step times then are not the
         # strategy's own (on a CPU box the import takes cores from the ranks).
@@ -64,6 +68,10 @@ class Policy:
     def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
         """A launch ended at a stage end or on request; return the next stage, or None when done."""
         return None
+
+    def resized(self, stage: Stage, seconds: float) -> None:
+        """The running job resized in place to the stage this policy asked for (`seconds` between its last
+        step before and its first after)."""
 
     def restart(self, step: int, stage: Stage) -> Stage | None:
         """The stage that continues from a checkpoint at `step`, after `stage` failed or was stopped."""

@@ -1,5 +1,5 @@
 """Run under torchrun (4 ranks): every layout (and FSDP under TP and PP) vs a single-process reference,
-and DCP resharding.
+DCP resharding, and in-place resizes vs a relaunch from a checkpoint.
 
 Usage: torchrun --standalone --nproc-per-node 4 tests/dist/layouts.py RUN_DIR OUT_JSON
 RUN_DIR holds config.resolved.json and corpus.json (written by the pytest side).
@@ -35,6 +35,8 @@ RESHARD = [
     ((2, 1, 2, 2, 16), (1, 1, 4, 2, 16)),
     ((2, 2, 1, 2, 16), (2, 1, 2, 1, 32)),
 ]
+# (from, to): DDP with larger micro-batches, TP with more accumulation steps, dp = 1 (first micro-batch GNS)
+RESIZE = [((4, 1, 1, 2, 8), (4, 1, 1, 4, 16)), ((2, 2, 1, 2, 8), (2, 2, 1, 2, 16)), ((1, 4, 1, 2, 8), (1, 4, 1, 2, 16))]
 
 
 def reference_losses(cfg, corpus: CorpusInfo, gbs: int, steps: int) -> tuple[list[float], list[float]]:
@@ -115,6 +117,29 @@ def one_rank_cannot_load(w: Worker, path) -> list[str]:
     return errors
 
 
+def resize_vs_relaunch(cfg, run_dir, a: Strategy, b: Strategy, i: int) -> dict:
+    """Two steps under `a`, the controller's resize to `b` read during the second, two steps under `b`;
+    against a relaunch under `b` from the checkpoint taken right after the resize."""
+    wa = Worker(cfg, run_dir, a, launch=1)
+    wa.ckpt_root = run_dir / f"resize_{i}"
+    wa.train_step(False)
+    if wa.rank == 0:
+        wa.resize_requested = b  # what poll_commands sets on a `resize` command
+    ran = wa.train_step(False).strategy
+    path = wa.save("periodic")
+    in_place = [wa.train_step(False) for _ in range(2)]
+    wb = Worker(cfg, run_dir, b, launch=2)
+    wb.restore(path)
+    relaunched = [wb.train_step(False) for _ in range(2)]
+    return {
+        "ran": [str(ran), str(in_place[0].strategy)],
+        "in_place": [[o.loss, o.grad_norm, o.noise.get("grad_sq_raw"), o.noise.get("trace_raw")] for o in in_place],
+        "relaunch": [[o.loss, o.grad_norm, o.noise.get("grad_sq_raw"), o.noise.get("trace_raw")] for o in relaunched],
+        "eval": [wa.evaluate()[0], wb.evaluate()[0]],
+        "consumed": [wa.state.consumed_samples, wb.state.consumed_samples],
+    }
+
+
 def main() -> None:
     run_dir, out, cfg, corpus = start()
     results: dict = {"layouts": {}, "fsdp": {}, "reshard": [], "tied_equal": []}
@@ -159,6 +184,7 @@ def main() -> None:
             }
         )
     results["load_failure"] = one_rank_cannot_load(wb, path)
+    results["resize"] = [resize_vs_relaunch(cfg, run_dir, Strategy(*a), Strategy(*b), i) for i, (a, b) in enumerate(RESIZE)]
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
