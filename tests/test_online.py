@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cona_cli.config import config_from_dict
 from cona_cli.control.cona_policy import ConaPolicy
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.search import Candidate
-from cona_cli.strategy import Strategy
+from cona_cli.strategy import Strategy, resizable
 from tests.support import TINY
 
 
@@ -132,3 +134,29 @@ def test_an_unmeasured_rung_is_never_faster_than_the_measured_trend_of_its_layou
     assert policy._optimistic_time(Candidate(s32, 0.60, 0.0, 0.0, 0.0), 0.25) == 0.60
     other = Strategy(2, 2, 1, 8, 32)  # no measured trend of its own
     assert policy._optimistic_time(Candidate(other, 0.39, 0.0, 0.0, 0.0), 0.25) == 0.39
+
+
+def test_a_batch_only_switch_is_costed_as_a_resize_not_a_relaunch() -> None:
+    """A relaunch that cannot pay back (100 s in a 120 s horizon) still leaves the resize into the next
+    rung's batch under the same layout, costed 0 until measured, then at the measured resizes; after a
+    resize the policy decides only on fresh steps of the new batch. Without in-place resizes it stays."""
+    costly = {"switch_cost_s": 100.0, "warm_switch_cost_s": 100.0, "horizon_s": 120, "kappa": 1.0}
+    policy, events = _policy(**costly)
+    start = policy.first().strategy
+    bigger = replace(start, mbs=start.mbs * 2, gbs=start.gbs * 2)
+    assert resizable(start, bigger) and policy.switch_cost(bigger) == 0.0
+    assert policy.switch_cost(Strategy(1, 1, 4, 2, 16)) == 100.0  # a new layout: a relaunch
+    step, stage = _feed(policy, 1, 1, 40, 0.05, gns=1e5)  # noise dominates: the most samples/s wins
+    assert stage is not None and resizable(start, stage.strategy) and stage.strategy.gbs == 16, stage
+    assert events.rows[-1]["switch_cost_s"] == 0.0
+    policy.resized(stage, 0.02)
+    assert policy.current == stage and policy.previous == [start]
+    assert policy.switch_cost(replace(stage.strategy, gbs=32, mbs=stage.strategy.mbs * 2)) == 0.02
+    decisions = len([e for e in events.rows if e["kind"] == "decision"])
+    _feed(policy, 1, step + 1, 3, 0.08, gns=1e5)  # 2 warm-up steps and 1 timed one of the new batch: no decision
+    assert len([e for e in events.rows if e["kind"] == "decision"]) == decisions
+    assert policy.state_dict()["resize_costs"] == [0.02]
+
+    relaunching, _ = _policy(**costly, in_place=False)
+    assert relaunching.switch_cost(bigger) == 100.0
+    assert _feed(relaunching, 1, 1, 40, 0.05, gns=1e5) == (None, None)

@@ -1,4 +1,5 @@
-"""`cona train` end to end: a 3-stage chain with real torchrun relaunches, and Ctrl-C."""
+"""`cona train` end to end: a 3-stage chain with real torchrun relaunches, Ctrl-C, and the online policy
+(relaunches and in-place resizes)."""
 
 from __future__ import annotations
 
@@ -150,3 +151,43 @@ def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
     before = [r["loss"] for r in steps[boundary - 3 : boundary]]
     assert steps[boundary]["loss"] < max(before) + 0.25
     assert all(r["gns"] is None or r["gns"] > 0 for r in steps[5:])
+
+
+def test_online_policy_resizes_in_place_without_a_relaunch_or_standby(tmp_path: Path) -> None:
+    """A relaunch could never pay (its assumed cost exceeds the horizon), so only a resize into the next
+    rung's batch under the running layout can happen: one launch, no standby on CPU ranks, and the steps
+    go on without a gap, the new batch from the step after the resize."""
+    doc = {k: v for k, v in TINY.items() if k != "strategy"}
+    doc["train"] = {**TINY["train"], "max_steps": 60}
+    doc["search"] = {
+        "gbs_min": 8,
+        "gbs_max": 16,
+        "mbs": [2, 4],
+        "kappa": 1000.0,  # the gradient noise dominates: the most samples per second wins
+        "margin": 0.0,
+        "switch_cost_s": 1000.0,
+        "warm_switch_cost_s": 1000.0,
+        "horizon_s": 600,
+        "decision_every": 4,
+        "min_steps": 4,
+    }
+    cfg = write_config(tmp_path / "cona.yaml", doc)
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        _cona("train", str(cfg), "--run-dir", str(run)), capture_output=True, text=True, timeout=400, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = _rows(run / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("launch") == 1 and "standby" not in kinds
+    switches = [e for e in events if e["kind"] == "switch"]
+    assert switches and all(e["in_place"] for e in switches), switches
+    first = switches[0]
+    assert first["to"]["gbs"] == 16 and first["from"]["gbs"] == 8
+    assert first["seconds"] < 0.5 and first["decision_to_first_step_s"] < 2.0, first
+    steps = [r for r in _rows(run / "metrics.jsonl") if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 61))
+    assert [r["gbs"] for r in steps[first["step"] - 1 : first["step"] + 1]] == [8, 16]
+    assert steps[-1]["consumed_samples"] == sum(r["gbs"] for r in steps)
+    final = json.loads((run / "launches" / "001.json").read_text())
+    assert final["reason"] == "max_steps" and final["consumed_samples"] == steps[-1]["consumed_samples"]
