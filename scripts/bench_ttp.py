@@ -15,11 +15,12 @@ chaining these strategies could gain over them.
 
     python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
-        [--kappa 3] [--tabulate]
+        [--kappa 3] [--relaunch] [--tabulate]
 
 `--kappa K` adds a `cona-k<K>` run (cona with `search.kappa: K`, e.g. fitted by scripts/fit_kappa.py
-on another seed's static runs); `--tabulate` runs nothing and tabulates the run folders under --out
-(e.g. for other targets).
+on another seed's static runs); `--relaunch` adds, for every cona run, a `<name>-relaunch` run with
+`search.in_place: false` (every switch relaunches, as before in-place resizes); `--tabulate` runs
+nothing and tabulates the run folders under --out (e.g. for other targets).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ HINDSIGHT = "hindsight chain"  # the statics' fastest chain in hindsight (see hi
 CONA = [sys.executable, "-c", "from cona_cli.app import main; main()"]
 
 
-def variants(doc: dict, ladder: list[int], gbs_static: int, kappas: list[float]) -> dict[str, dict]:
-    """cona, cona at each fixed κ, static-auto, and the planner's static pick at every other rung."""
+def variants(doc: dict, ladder: list[int], gbs_static: int, kappas: list[float], relaunch: bool) -> dict[str, dict]:
+    """cona, cona at each fixed κ (each also relaunching if `relaunch`), static-auto, and the planner's
+    static pick at every other rung."""
     search = doc.get("search", {})
 
     def static(gbs: int) -> dict:
@@ -55,6 +57,10 @@ def variants(doc: dict, ladder: list[int], gbs_static: int, kappas: list[float])
 
     runs = {"cona": {**doc, "policy": "cona"}}
     runs.update({f"cona-k{k:g}": {**doc, "policy": "cona", "search": {**search, "kappa": k}} for k in kappas})
+    if relaunch:
+        for name in list(runs):
+            v = runs[name]
+            runs[f"{name}-relaunch"] = {**v, "search": {**v.get("search", {}), "in_place": False}}
     runs["static-auto"] = static(gbs_static)
     runs.update({f"static-{g}": static(g) for g in ladder if g != gbs_static})
     return runs
@@ -155,6 +161,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "ttp")
     ap.add_argument("--only", default="", help="comma-separated subset of the runs")
     ap.add_argument("--kappa", default="", help="comma-separated fixed κ values: a cona-k<κ> run for each")
+    ap.add_argument("--relaunch", action="store_true", help="each cona run also with search.in_place: false")
     ap.add_argument("--tabulate", action="store_true", help="run nothing: tabulate the run folders under --out")
     ap.add_argument("--reuse", action="store_true", help="keep run folders that finished; run only the others")
     args = ap.parse_args()
@@ -169,7 +176,7 @@ def main() -> None:
     cfg = load_config(args.config)
     ladder = gbs_ladder(cfg)
     kappas = [float(k) for k in args.kappa.split(",") if k]
-    runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], kappas)
+    runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], kappas, args.relaunch)
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
     targets = [float(t) for t in args.targets.split(",")]
