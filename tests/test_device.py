@@ -82,6 +82,7 @@ def test_a_real_cpu_out_of_memory_is_classified_with_its_peak() -> None:
     line = out_of_memory_line(1, Strategy(2, 1, 2, 1, 16), 123456789, caught.value)
     failure = parse_failure(_torchrun_log(["Traceback ...", line], 4), 1)
     assert failure.out_of_memory and failure.peak_bytes == 123456789 and not failure.knock_on
+    assert failure.strategy == "dp2-tp1-pp2-mbs1-gbs16"  # the one it ran (an in-place resize changes it)
     assert "ran out of memory" in failure.describe()
     # torch's text alone (a rank that died before the worker could say more) is enough
     text = f"RuntimeError: {str(caught.value).splitlines()[0]}"

@@ -226,7 +226,7 @@ class Controller:
             if result.returncode != 0 or outcome is None:
                 failure = self._record_failure(result, ckpt)
                 if failure.out_of_memory:
-                    stage = self._out_of_memory(stage.strategy, failure)
+                    stage = self._out_of_memory(Strategy.parse(failure.strategy or str(stage.strategy)), failure)
                     if stage is None:
                         return self._exit(1, "out_of_memory", self.last_metric.get("step", 0))
                 elif not self._may_restart():

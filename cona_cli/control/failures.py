@@ -27,7 +27,7 @@ _OUT_OF_MEMORY = (  # torch's CUDA caching allocator, a CUDA kernel or NCCL, the
     "OutOfMemoryError",
     "DefaultCPUAllocator: can't allocate memory",
 )
-_PEAK = re.compile(r"out of memory under \S+: peak (\d+) bytes")  # the worker's own line
+_PEAK = re.compile(r"out of memory under (\S+): peak (\d+) bytes")  # the worker's own line
 _SRUN_TASK = re.compile(r"srun: error: (\S+): task \d+: (?!.*Terminated)")
 TAIL = 15
 SSH_FAILED = 255  # ssh's own exit status when it cannot connect or loses the connection
@@ -59,7 +59,13 @@ class Failure:
     @property
     def peak_bytes(self) -> int | None:
         """The out-of-memory rank's measured peak (allocated on CUDA, resident on the CPU), if it said."""
-        found = [int(m.group(1)) for line in self.last_lines for m in [_PEAK.search(line)] if m]
+        found = [int(m.group(2)) for line in self.last_lines for m in [_PEAK.search(line)] if m]
+        return found[-1] if found else None
+
+    @property
+    def strategy(self) -> str | None:
+        """The strategy the out-of-memory rank ran (after an in-place resize, not the launch's), if it said."""
+        found = [m.group(1) for line in self.last_lines for m in [_PEAK.search(line)] if m]
         return found[-1] if found else None
 
     @property
