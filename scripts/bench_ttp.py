@@ -13,14 +13,14 @@ same seed (the best fixed strategy in hindsight). The "hindsight chain" row is t
 that seed's static runs (the paper's optimum sequence, with free switches): the ceiling of what
 chaining these strategies could gain over them.
 
-    python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3]
+    python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3] [--first-seed N]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
         [--kappa 3] [--relaunch] [--tabulate]
 
 `--kappa K` adds a `cona-k<K>` run (cona with `search.kappa: K`, e.g. fitted by scripts/fit_kappa.py
-on another seed's static runs); `--relaunch` adds, for every cona run, a `<name>-relaunch` run with
-`search.in_place: false` (every switch relaunches, as before in-place resizes); `--tabulate` runs
-nothing and tabulates the run folders under --out (e.g. for other targets).
+on another seed's static runs; `auto` gives `cona-kauto`); `--relaunch` adds, for every cona run, a
+`<name>-relaunch` run with `search.in_place: false` (every switch relaunches, as before in-place
+resizes); `--tabulate` runs nothing and tabulates the run folders under --out (e.g. for other targets).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ HINDSIGHT = "hindsight chain"  # the statics' fastest chain in hindsight (see hi
 CONA = [sys.executable, "-c", "from cona_cli.app import main; main()"]
 
 
-def variants(doc: dict, ladder: list[int], gbs_static: int, kappas: list[float], relaunch: bool) -> dict[str, dict]:
+def variants(doc: dict, ladder: list[int], gbs_static: int, kappas: list[str], relaunch: bool) -> dict[str, dict]:
     """cona, cona at each fixed κ (each also relaunching if `relaunch`), static-auto, and the planner's
     static pick at every other rung."""
     search = doc.get("search", {})
@@ -56,7 +56,13 @@ def variants(doc: dict, ladder: list[int], gbs_static: int, kappas: list[float],
         return {**doc, "policy": "static", "strategy": "auto", "search": {**search, "gbs_static": gbs}}
 
     runs = {"cona": {**doc, "policy": "cona"}}
-    runs.update({f"cona-k{k:g}": {**doc, "policy": "cona", "search": {**search, "kappa": k}} for k in kappas})
+    for k in kappas:
+        kappa: str | float = k if k == "auto" else float(k)
+        runs[f"cona-k{kappa:g}" if isinstance(kappa, float) else "cona-kauto"] = {
+            **doc,
+            "policy": "cona",
+            "search": {**search, "kappa": kappa},
+        }
     if relaunch:
         for name in list(runs):
             v = runs[name]
@@ -155,12 +161,13 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "wikitext2-gpt-tiny.yaml")
     ap.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data" / "wikitext-2-raw")
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, help="default: the config's train.seed")
     ap.add_argument("--max-time", type=float, default=240.0)
     ap.add_argument("--targets", default="600,400,300")
     ap.add_argument("--drop-worst", type=int, default=0, help="static rungs dropped after the first seed")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "ttp")
     ap.add_argument("--only", default="", help="comma-separated subset of the runs")
-    ap.add_argument("--kappa", default="", help="comma-separated fixed κ values: a cona-k<κ> run for each")
+    ap.add_argument("--kappa", default="", help="comma-separated κ values (or auto): a cona-k<κ> run for each")
     ap.add_argument("--relaunch", action="store_true", help="each cona run also with search.in_place: false")
     ap.add_argument("--tabulate", action="store_true", help="run nothing: tabulate the run folders under --out")
     ap.add_argument("--reuse", action="store_true", help="keep run folders that finished; run only the others")
@@ -175,13 +182,13 @@ def main() -> None:
         doc.pop(key, None)
     cfg = load_config(args.config)
     ladder = gbs_ladder(cfg)
-    kappas = [float(k) for k in args.kappa.split(",") if k]
+    kappas = [k for k in args.kappa.split(",") if k]
     runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], kappas, args.relaunch)
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
     targets = [float(t) for t in args.targets.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    base_seed = int(doc["train"].get("seed", 1234))
+    base_seed = args.first_seed if args.first_seed is not None else int(doc["train"].get("seed", 1234))
     results: dict[str, dict[int, list[float | None]]] = {name: {} for name in runs}  # run -> seed -> per target
     for i in range(args.seeds):
         seed = base_seed + i
