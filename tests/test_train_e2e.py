@@ -114,10 +114,8 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path: Path) -> None:
 def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
     """policy cona: the controller climbs the batch ladder on its own and stops at the target."""
     target = 7.0
-    doc = {k: v for k, v in TINY.items() if k != "strategy"}
-    doc["train"] = {**TINY["train"], "max_steps": 400, "target_ppl": target}
     # Easy switching for a short test: no margin, a cheap assumed switch, a long payback horizon.
-    doc["search"] = {
+    search = {
         "gbs_min": 8,
         "gbs_max": 32,
         "mbs": [1, 2, 4, 8],
@@ -127,12 +125,7 @@ def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
         "decision_every": 4,
         "min_steps": 4,
     }
-    cfg = write_config(tmp_path / "cona.yaml", doc)
-    run = tmp_path / "run"
-    proc = subprocess.run(
-        _cona("train", str(cfg), "--run-dir", str(run)), capture_output=True, text=True, timeout=400, cwd=REPO
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = _train_cona(tmp_path, {"max_steps": 400, "target_ppl": target}, search)
     events = _rows(run / "events.jsonl")
     assert events[0]["policy"] == "cona"
     switches = [e for e in events if e["kind"] == "switch"]
@@ -157,9 +150,7 @@ def test_online_policy_resizes_in_place_without_a_relaunch_or_standby(tmp_path: 
     """A relaunch could never pay (its assumed cost exceeds the horizon), so only a resize into the next
     rung's batch under the running layout can happen: one launch, no standby on CPU ranks, and the steps
     go on without a gap, the new batch from the step after the resize."""
-    doc = {k: v for k, v in TINY.items() if k != "strategy"}
-    doc["train"] = {**TINY["train"], "max_steps": 60}
-    doc["search"] = {
+    search = {
         "gbs_min": 8,
         "gbs_max": 16,
         "mbs": [2, 4],
@@ -171,12 +162,7 @@ def test_online_policy_resizes_in_place_without_a_relaunch_or_standby(tmp_path: 
         "decision_every": 4,
         "min_steps": 4,
     }
-    cfg = write_config(tmp_path / "cona.yaml", doc)
-    run = tmp_path / "run"
-    proc = subprocess.run(
-        _cona("train", str(cfg), "--run-dir", str(run)), capture_output=True, text=True, timeout=400, cwd=REPO
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = _train_cona(tmp_path, {"max_steps": 60}, search)
     events = _rows(run / "events.jsonl")
     kinds = [e["kind"] for e in events]
     assert kinds.count("launch") == 1 and "standby" not in kinds
@@ -191,3 +177,17 @@ def test_online_policy_resizes_in_place_without_a_relaunch_or_standby(tmp_path: 
     assert steps[-1]["consumed_samples"] == sum(r["gbs"] for r in steps)
     final = json.loads((run / "launches" / "001.json").read_text())
     assert final["reason"] == "max_steps" and final["consumed_samples"] == steps[-1]["consumed_samples"]
+
+
+def _train_cona(tmp_path: Path, train: dict, search: dict) -> Path:
+    """`cona train` under policy cona on the tiny model; asserts exit 0 and returns the run folder."""
+    doc = {k: v for k, v in TINY.items() if k != "strategy"}
+    doc["train"] = {**TINY["train"], **train}
+    doc["search"] = search
+    cfg = write_config(tmp_path / "cona.yaml", doc)
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        _cona("train", str(cfg), "--run-dir", str(run)), capture_output=True, text=True, timeout=400, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run

@@ -48,7 +48,7 @@ from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.memory import memory_bytes
 from cona_cli.planner.workload import Workload
 from cona_cli.rundir import RunDir
-from cona_cli.strategy import FIELDS, Strategy, resizable
+from cona_cli.strategy import Strategy, resizable
 
 INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGKILL
 NODE_FAILURE_GRACE_S = 20.0  # for the other nodes to stop after one node failed, before SIGKILL
@@ -103,11 +103,6 @@ def worker_args(run_dir: Path, stage: Stage, launch: int, resume: Path | None) -
     if stage.stop_step is not None:
         args += ["--stop-step", str(stage.stop_step)]
     return args
-
-
-def step_strategy(row: dict[str, Any]) -> Strategy:
-    """The strategy a worker's step row ran under."""
-    return Strategy(*(int(row[f]) for f in FIELDS))
 
 
 def threads_per_proc(cfg: Config) -> int:
@@ -650,7 +645,8 @@ class Controller:
             self.policy.on_eval(msg)
         elif kind == "metric" and msg.get("kind") == "step":
             resizing = self._resizing
-            if resizing is not None and msg.get("launch") == self.launch and step_strategy(msg) == resizing.strategy:
+            ran = Strategy.from_mapping(msg) if resizing is not None and msg.get("launch") == self.launch else None
+            if resizing is not None and ran == resizing.strategy:
                 self._resized(msg)
                 stage = resizing
             first_of_launch = self.last_metric.get("launch") != msg.get("launch")
