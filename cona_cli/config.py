@@ -261,6 +261,7 @@ class SearchConfig:
     switch_cost_s: float = _f(5.0, _non_negative)  # initial estimate of a cold relaunch, replaced by measured ones
     warm_switch_cost_s: float = _f(2.0, _non_negative)  # the same for a hand-over to a ready standby
     in_place: bool = _f(True)  # switches that keep dp, tp and pp (pp = 1) resize the running job, no relaunch
+    remeasure_s: float = _f(60.0, _non_negative)  # forget times of an in-place rung not run this long (0: keep)
     decision_every: int = _f(5, _positive)  # steps between decisions
     min_steps: int = _f(5, _positive)  # timed steps of a strategy before deciding
     optimism: float = _f(1.0, _non_negative)  # stds taken off the predicted T of strategies never run

@@ -9,18 +9,19 @@ evenly over the conditions. After the first seed, `--drop-worst K` drops the K s
 reached the fewest targets, then the last of them slowest (said so in the output). Prints, per
 target, the median and range over seeds of each run's time to the target (interpolated between
 evaluations), and of cona's speed-up against static-auto and against the best static run of the
-same seed (the best fixed strategy in hindsight). The "hindsight chain" row is the fastest chain of
-that seed's static runs (the paper's optimum sequence, with free switches): the ceiling of what
-chaining these strategies could gain over them.
+same seed (the best fixed strategy in hindsight), then each seed's speed-ups against its best static
+run. The "hindsight chain" row is the fastest chain of that seed's static runs (the paper's optimum
+sequence, with free switches): the ceiling of what chaining these strategies could gain over them.
 
     python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3] [--first-seed N]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
-        [--kappa 3] [--relaunch] [--tabulate]
+        [--kappa 3] [--relaunch] [--stale] [--tabulate]
 
 `--kappa K` adds a `cona-k<K>` run (cona with `search.kappa: K`, e.g. fitted by scripts/fit_kappa.py
 on another seed's static runs; `auto` gives `cona-kauto`); `--relaunch` adds, for every cona run, a
 `<name>-relaunch` run with `search.in_place: false` (every switch relaunches, as before in-place
-resizes); `--tabulate` runs nothing and tabulates the run folders under --out (e.g. for other targets).
+resizes); `--stale` adds `<name>-stale` with `search.remeasure_s: 0` (step times of a rung are never
+forgotten, as before); `--tabulate` runs nothing and tabulates the run folders under --out (e.g. for other targets).
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ HINDSIGHT = "hindsight chain"  # the statics' fastest chain in hindsight (see hi
 CONA = [sys.executable, "-c", "from cona_cli.app import main; main()"]
 
 
-def variants(doc: dict, ladder: list[int], gbs_static: int, kappas: list[str], relaunch: bool) -> dict[str, dict]:
-    """cona, cona at each fixed κ (each also relaunching if `relaunch`), static-auto, and the planner's
-    static pick at every other rung."""
+def variants(
+    doc: dict, ladder: list[int], gbs_static: int, kappas: list[str], relaunch: bool, stale: bool = False
+) -> dict[str, dict]:
+    """cona, cona at each fixed κ (each also relaunching if `relaunch`, keeping step times if `stale`),
+    static-auto, and the planner's static pick at every other rung."""
     search = doc.get("search", {})
 
     def static(gbs: int) -> dict:
@@ -67,6 +70,10 @@ def variants(doc: dict, ladder: list[int], gbs_static: int, kappas: list[str], r
         for name in list(runs):
             v = runs[name]
             runs[f"{name}-relaunch"] = {**v, "search": {**v.get("search", {}), "in_place": False}}
+    if stale:
+        for name in [n for n in runs if not n.endswith("-relaunch")]:
+            v = runs[name]
+            runs[f"{name}-stale"] = {**v, "search": {**v.get("search", {}), "remeasure_s": 0}}
     runs["static-auto"] = static(gbs_static)
     runs.update({f"static-{g}": static(g) for g in ladder if g != gbs_static})
     return runs
@@ -156,6 +163,25 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3g} [{min(values):.3g}–{max(values):.3g}]"
 
 
+def speedups(
+    results: dict[str, dict[int, list[float | None]]], run: str, label: str, n_targets: int
+) -> dict[int, list[float | None]]:
+    """Per seed and target, `run`'s speed-up (baseline time / its time) against static-auto or against
+    the best static run of that seed (`label` "best static"); None where either did not reach it."""
+    out: dict[int, list[float | None]] = {}
+    for seed, run_times in results[run].items():
+        row: list[float | None] = []
+        for j in range(n_targets):
+            if label == "static-auto":
+                base = results.get("static-auto", {}).get(seed, [None] * n_targets)[j]
+            else:
+                statics = [r[seed][j] for n, r in results.items() if n.startswith("static") and seed in r]
+                base = min((t for t in statics if t is not None), default=None)
+            row.append(base / run_times[j] if base is not None and run_times[j] is not None else None)
+        out[seed] = row
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "wikitext2-gpt-tiny.yaml")
@@ -169,6 +195,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated subset of the runs")
     ap.add_argument("--kappa", default="", help="comma-separated κ values (or auto): a cona-k<κ> run for each")
     ap.add_argument("--relaunch", action="store_true", help="each cona run also with search.in_place: false")
+    ap.add_argument("--stale", action="store_true", help="each cona run also with search.remeasure_s: 0")
     ap.add_argument("--tabulate", action="store_true", help="run nothing: tabulate the run folders under --out")
     ap.add_argument("--reuse", action="store_true", help="keep run folders that finished; run only the others")
     args = ap.parse_args()
@@ -183,7 +210,7 @@ def main() -> None:
     cfg = load_config(args.config)
     ladder = gbs_ladder(cfg)
     kappas = [k for k in args.kappa.split(",") if k]
-    runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], kappas, args.relaunch)
+    runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], kappas, args.relaunch, args.stale)
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
     targets = [float(t) for t in args.targets.split(",")]
@@ -232,21 +259,16 @@ def main() -> None:
             reached = [t[j] for t in per_seed.values() if t[j] is not None]
             cells.append(f"{spread(reached)} ({len(reached)}/{len(per_seed)})")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    for cona in [n for n in results if n.startswith("cona") or n == HINDSIGHT]:
+    conas = [n for n in results if n.startswith("cona") or n == HINDSIGHT]
+    for cona in conas:
         for label in ("static-auto", "best static"):
-            cells = []
-            for j in range(len(targets)):
-                ups = []
-                for seed, cona_times in results[cona].items():
-                    if label == "static-auto":
-                        base = results.get("static-auto", {}).get(seed, [None] * len(targets))[j]
-                    else:
-                        statics = [r[seed][j] for n, r in results.items() if n.startswith("static") and seed in r]
-                        base = min((t for t in statics if t is not None), default=None)
-                    if base is not None and cona_times[j] is not None:
-                        ups.append(base / cona_times[j])
-                cells.append(spread(ups) + "×")
+            ups = speedups(results, cona, label, len(targets))
+            cells = [spread([u[j] for u in ups.values() if u[j] is not None]) + "×" for j in range(len(targets))]
             print(f"| {cona} vs {label} | " + " | ".join(cells) + " |")
+    print("\nper seed, against the best static of that seed (" + " / ".join(f"ppl {t:g}" for t in targets) + "):")
+    for cona in conas:
+        for seed, ups in sorted(speedups(results, cona, "best static", len(targets)).items()):
+            print(f"  {cona} s{seed}: " + " / ".join("-" if u is None else f"{u:.3g}" for u in ups))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ layout at the same rung and with the rung it climbed from (at that rung's measur
 a move that did not pay), using Φ_κ at the current smoothed GNS and the learned cost of the switch
 it would take (`switch_rule.decide`): an in-place resize when only the batch changes, else a hand-over
 to a ready standby or a cold relaunch. Moving down is decided by the same rule, never by the GNS trend alone.
+Step times of a strategy the run could resize to are forgotten `search.remeasure_s` after it last ran:
+on a host that drifts they describe another host, and measuring again costs a resize and a few steps.
 A background thread recalibrates the iteration-time model from the measured step times and reruns
 the search whenever the measurements moved, and after every switch.
 """
@@ -55,6 +57,8 @@ class ConaPolicy(Policy):
         self.out_of_memory: set[Strategy] = set()  # strategies that ran out of memory in this run
         self.workload = Workload.from_config(cfg)
         self.samples: dict[Strategy, list[float]] = {}  # measured s/iter of strategies that ran
+        self.timed_at: dict[Strategy, float] = {}  # run time of each strategy's last timed step
+        self.forgotten: dict[Strategy, float] = {}  # medians of forgotten step times (`_forget_stale`)
         self.switch_costs: list[float] = []  # measured cold relaunches
         self.warm_switch_costs: list[float] = []  # measured hand-overs to a ready standby
         self.resize_costs: list[float] = []  # measured in-place resizes
@@ -91,7 +95,8 @@ class ConaPolicy(Policy):
 
     def _rungs_to_search(self) -> list[int]:
         i = self.ladder.index(self.current.strategy.gbs)
-        return self.ladder[i : i + 1 + self.s.lookahead]  # this rung (better layout?) and the frontier
+        below = [self.previous[-1].gbs] if self.previous else []  # predicted if its times were forgotten
+        return below + self.ladder[i : i + 1 + self.s.lookahead]  # this rung (better layout?) and the frontier
 
     def _maybe_search(self) -> None:
         """Start a background search if none runs and the calibration data moved enough."""
@@ -176,6 +181,9 @@ class ConaPolicy(Policy):
             times.append(row["iter_s"])
             del times[:-SAMPLE_WINDOW]  # recent steps only: follows host drift, bounds the saved state
             self._launch_timed += 1
+            self.forgotten.pop(cur, None)
+            if row.get("time") is not None:
+                self.timed_at[cur] = row["time"]
         gns = row.get("gns")
         if gns is not None:
             self._last_gns = gns
@@ -183,6 +191,8 @@ class ConaPolicy(Policy):
         # right after a switch back would otherwise rest on old times alone.
         if self._launch_timed < self.s.min_steps or self._launch_steps % self.s.decision_every:
             return None
+        if row.get("time") is not None:
+            self._forget_stale(row["time"])
         self._maybe_search()
         if gns is None:
             self._log(row, None, "no GNS estimate yet", False)
@@ -205,8 +215,10 @@ class ConaPolicy(Policy):
                 candidates.append(("next_gbs" if up == 1 else f"next_gbs+{up - 1}", above.best))
         if self.previous:  # the rung we came from, at its measured speed: undo a move that did not pay
             back = self.previous[-1]
-            t_back = statistics.median(self.samples[back])
-            candidates.append(("previous_gbs", Candidate(back, t_back, 0.0, 0.0, 0.0)))
+            if back in self.samples:
+                candidates.append(("previous_gbs", Candidate(back, statistics.median(self.samples[back]), 0, 0, 0)))
+            elif (below := results.get(back.gbs)) is not None and below.best is not None:
+                candidates.append(("previous_gbs", below.best))  # its times were forgotten: predicted
         if not candidates:
             self._log(row, None, "no candidate yet (search running or top rung)", False, gns=gns, t_cur=t_cur)
             return None
@@ -233,6 +245,27 @@ class ConaPolicy(Policy):
             return None
         return Stage(cand.strategy, None, "decision")
 
+    def _forget_stale(self, now: float) -> None:
+        """Forget the step times of strategies the running one could resize to in place that have not
+        run for `search.remeasure_s` seconds: they compete at their prediction again (with optimism),
+        so a rung measured during a slow spell of the host, or in the first steps after a resize, is
+        measured again instead of holding the run off it for good."""
+        if not (self.in_place and self.s.remeasure_s):
+            return
+        cur = self.current.strategy
+        stale = [
+            s
+            for s in self.samples
+            if s != cur and resizable(cur, s) and now - self.timed_at.get(s, now) > self.s.remeasure_s
+        ]
+        for s in stale:
+            self.forgotten[s] = statistics.median(self.samples.pop(s))
+            self.timed_at.pop(s, None)
+        if stale:
+            with self._lock:
+                self._results.clear()  # they held the forgotten medians
+            self._searched_for = None
+
     def _optimistic_time(self, cand: Candidate, t_cur: float) -> float:
         """Measured median for a strategy that ran; otherwise optimism in the face of uncertainty:
         the prediction minus `search.optimism` standard deviations, but never below half the
@@ -250,11 +283,12 @@ class ConaPolicy(Policy):
         the same (dp, tp, pp): T = fixed + gbs * per-sample, a line through their medians. The model
         fitted to the same two points lets the per-sample cost keep falling with the batch, which on
         CPUs it does not (gpt-tiny, dp4, static runs: 8 and 16 at 0.153 and 0.247-0.256 s put gbs 32
-        at 0.435-0.46 s on the line, measured 0.431-0.459; the calibrated model said 0.39)."""
+        at 0.435-0.46 s on the line, measured 0.431-0.459; the calibrated model said 0.39). Forgotten
+        medians count too: a floor may be stale, an up-probe on optimism alone costs more."""
+        medians = {**self.forgotten, **{m: statistics.median(v) for m, v in self.samples.items() if v}}
         measured: dict[int, float] = {}
-        for m, times in self.samples.items():
-            if (m.dp, m.tp, m.pp) == (s.dp, s.tp, s.pp) and m.gbs < s.gbs and times:
-                t = statistics.median(times)
+        for m, t in medians.items():
+            if (m.dp, m.tp, m.pp) == (s.dp, s.tp, s.pp) and m.gbs < s.gbs:
                 measured[m.gbs] = min(t, measured.get(m.gbs, t))  # the best layout at each batch
         if len(measured) < 2:
             return None
@@ -274,8 +308,9 @@ class ConaPolicy(Policy):
 
     def _moved(self, stage: Stage) -> None:
         old = self.current.strategy
-        if self.previous and stage.strategy == self.previous[-1]:  # back down
-            self.previous.pop()
+        if stage.strategy.gbs < old.gbs:  # back down (to the rung climbed from, or its best layout)
+            while self.previous and self.previous[-1].gbs >= stage.strategy.gbs:
+                self.previous.pop()
         elif stage.strategy.gbs > old.gbs:
             self.previous.append(old)
         self.current = stage
@@ -304,6 +339,8 @@ class ConaPolicy(Policy):
             "current": str(self.current.strategy),
             "reason": self.current.reason,
             "samples": {str(k): v for k, v in self.samples.items()},
+            "timed_at": {str(k): v for k, v in self.timed_at.items()},
+            "forgotten": {str(k): v for k, v in self.forgotten.items()},
             "switch_costs": self.switch_costs,
             "warm_switch_costs": self.warm_switch_costs,
             "resize_costs": self.resize_costs,
@@ -318,6 +355,8 @@ class ConaPolicy(Policy):
             return
         self.current = Stage(Strategy.parse(state["current"]), None, state["reason"])
         self.samples = {Strategy.parse(k): list(v) for k, v in state["samples"].items()}
+        self.timed_at = {Strategy.parse(k): float(v) for k, v in state.get("timed_at", {}).items()}
+        self.forgotten = {Strategy.parse(k): float(v) for k, v in state.get("forgotten", {}).items()}
         self.switch_costs = list(state["switch_costs"])
         self.warm_switch_costs = list(state.get("warm_switch_costs", []))
         self.resize_costs = list(state.get("resize_costs", []))
