@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from cona_cli.config import config_from_dict
 from cona_cli.control.cona_policy import ConaPolicy
+from cona_cli.control.policies import Stage
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.search import Candidate
 from cona_cli.strategy import Strategy, resizable
@@ -216,3 +217,25 @@ def test_after_remeasure_s_the_rung_climbed_from_competes_at_its_prediction() ->
     assert chosen["candidate_t"] != t8  # a prediction, not the forgotten median
     policy.resized(down, 0.3)
     assert policy.previous == [] and policy.current == down
+
+
+def test_forgetting_a_rung_leaves_the_predictions_of_the_other_rungs_alone() -> None:
+    """Forgotten times no longer price their own strategy, but still calibrate the model for the others:
+    without them gbs 64 would be predicted from gbs 32 alone, with the uncalibrated model's wide std,
+    and its optimistic time sent runs up to 64 and 128 on a 5 % margin (an earlier version of this rule)."""
+    s8, s16, s32 = Strategy(4, 1, 1, 2, 8), Strategy(4, 1, 1, 4, 16), Strategy(4, 1, 1, 8, 32)
+    results = []
+    for forget in (False, True):
+        policy, _ = _policy(remeasure_s=5.0, gbs_max=64)
+        policy.samples = {s8: [0.15] * 10, s16: [0.25] * 10, s32: [0.45] * 10}
+        policy.timed_at = {s8: 1.0, s16: 2.0, s32: 100.0}
+        policy.current, policy.previous = Stage(s32, None, "decision"), [s8, s16]
+        if forget:
+            policy._forget_stale(100.0)
+            assert set(policy.forgotten) == {s8, s16} and list(policy.samples) == [s32]
+        policy._maybe_search()
+        policy.wait_for_search()
+        results.append(policy._results)
+    kept, forgot = results
+    assert forgot[64].best.time_s == kept[64].best.time_s and forgot[64].best.time_std == kept[64].best.time_std
+    assert kept[16].best.time_s == 0.25 and forgot[16].best.time_s != 0.25  # measured, then predicted

@@ -110,10 +110,15 @@ class ConaPolicy(Policy):
         self._searched_for = (cur, median)
         rungs = self._rungs_to_search()
         snapshot = {s: list(v) for s, v in self.samples.items()}
+        known = {**{s: [t] for s, t in self.forgotten.items()}, **snapshot}
+        forgotten_rungs = {s.gbs for s in self.forgotten}
 
         def run() -> None:
-            cal = self._calibrated(snapshot)
-            results = {g: search_gbs(self.space, cal, g, self.s) for g in rungs}
+            # A forgotten strategy's rung is predicted without its times; every other rung with all of
+            # them (forgetting them must not make the model more optimistic about rungs never run).
+            cal = self._calibrated(known)
+            fresh = self._calibrated(snapshot) if forgotten_rungs & set(rungs) else cal
+            results = {g: search_gbs(self.space, fresh if g in forgotten_rungs else cal, g, self.s) for g in rungs}
             with self._lock:
                 self._results.update(results)
 
@@ -247,9 +252,10 @@ class ConaPolicy(Policy):
 
     def _forget_stale(self, now: float) -> None:
         """Forget the step times of strategies the running one could resize to in place that have not
-        run for `search.remeasure_s` seconds: they compete at their prediction again (with optimism),
-        so a rung measured during a slow spell of the host, or in the first steps after a resize, is
-        measured again instead of holding the run off it for good."""
+        run for `search.remeasure_s` seconds: they compete at their prediction again (with optimism;
+        the model still calibrates on their medians for every other rung), so a rung measured during
+        a slow spell of the host, or in the first steps after a resize, is measured again instead of
+        holding the run off it for good."""
         if not (self.in_place and self.s.remeasure_s):
             return
         cur = self.current.strategy
