@@ -39,12 +39,21 @@ def _policy(**search: object) -> tuple[ConaPolicy, Events]:
     return policy, policy.events
 
 
-def _feed(policy: ConaPolicy, launch: int, first_step: int, n: int, iter_s: float, gns: float, clock: bool = False):
-    """Steps of `iter_s` seconds; with `clock`, each row carries its run time (`iter_s` a step)."""
+def _feed(
+    policy: ConaPolicy,
+    launch: int,
+    first_step: int,
+    n: int,
+    iter_s: float,
+    gns: float,
+    clock: list[float] | None = None,
+):
+    """Steps of `iter_s` seconds; with a `clock` ([run time]), each row carries the run time it advances."""
     for step in range(first_step, first_step + n):
         row = {"kind": "step", "step": step, "launch": launch, "iter_s": iter_s, "gns": gns}
-        if clock:
-            row["time"] = policy.clock = getattr(policy, "clock", 0.0) + iter_s
+        if clock is not None:
+            clock[0] += iter_s
+            row["time"] = clock[0]
         stage = policy.on_metric(row)
         if stage is not None:
             return step, stage
@@ -167,12 +176,12 @@ def test_a_batch_only_switch_is_costed_as_a_resize_not_a_relaunch() -> None:
     assert _feed(relaunching, 1, 1, 40, 0.05, gns=1e5) == (None, None)
 
 
-def _climb_then_measure_slow(policy: ConaPolicy, t8: float) -> tuple[int, Strategy]:
+def _climb_then_measure_slow(policy: ConaPolicy, t8: float, clock: list[float]) -> tuple[int, Strategy]:
     """gbs 8 climbs to 16 in place, whose first steps run slow (a slow spell of the host): it goes back."""
-    step, up = _feed(policy, 1, 1, 40, t8, gns=1e5, clock=True)  # noise dominates: samples/s decide
+    step, up = _feed(policy, 1, 1, 40, t8, gns=1e5, clock=clock)  # noise dominates: samples/s decide
     assert up is not None and up.strategy.gbs == 16
     policy.resized(up, 0.3)
-    step, back = _feed(policy, 1, step + 1, 20, 3 * t8, gns=1e5, clock=True)  # fewer samples/s than gbs 8
+    step, back = _feed(policy, 1, step + 1, 20, 3 * t8, gns=1e5, clock=clock)  # fewer samples/s than gbs 8
     assert back is not None and back.strategy.gbs == 8
     policy.resized(back, 0.3)
     return step, up.strategy
@@ -184,21 +193,23 @@ def test_a_rung_measured_in_a_slow_spell_is_measured_again_after_remeasure_s() -
     forgotten, it competes at its prediction again, is re-tried (a resize) and, at its real speed, stays."""
     t8 = 0.05
     policy, events = _policy(remeasure_s=10.0)
-    step, s16 = _climb_then_measure_slow(policy, t8)
+    clock = [0.0]
+    step, s16 = _climb_then_measure_slow(policy, t8, clock)
     assert s16 in policy.samples
-    step, again = _feed(policy, 1, step + 1, 400, t8, gns=1e5, clock=True)  # 20 s at gbs 8
+    step, again = _feed(policy, 1, step + 1, 400, t8, gns=1e5, clock=clock)  # 20 s at gbs 8
     assert again is not None and again.strategy == s16, again
     chosen = events.rows[-1]
     assert chosen["candidate_kind"] == "next_gbs" and chosen["candidate_t"] < 2 * t8  # predicted, not 3 * t8
     assert s16 not in policy.samples and policy.forgotten[s16] == 3 * t8  # its slow times were forgotten
     policy.resized(again, 0.3)
-    step, moved = _feed(policy, 1, step + 1, 100, 1.5 * t8, gns=1e5, clock=True)  # its real speed
+    step, moved = _feed(policy, 1, step + 1, 100, 1.5 * t8, gns=1e5, clock=clock)  # its real speed
     assert moved is None or moved.strategy.gbs == 32  # not back to 8: on, if anywhere
     assert policy.samples[s16][-1] == 1.5 * t8 and s16 not in policy.forgotten
 
     stale, _ = _policy(remeasure_s=0.0)  # the previous behaviour: the slow median stands
-    step, _ = _climb_then_measure_slow(stale, t8)
-    assert _feed(stale, 1, step + 1, 400, t8, gns=1e5, clock=True) == (None, None)
+    clock = [0.0]
+    step, _ = _climb_then_measure_slow(stale, t8, clock)
+    assert _feed(stale, 1, step + 1, 400, t8, gns=1e5, clock=clock) == (None, None)
 
 
 def test_after_remeasure_s_the_rung_climbed_from_competes_at_its_prediction() -> None:
@@ -206,12 +217,13 @@ def test_after_remeasure_s_the_rung_climbed_from_competes_at_its_prediction() ->
     at its (optimistic) prediction, and moving there pops it from the rungs climbed from."""
     t8 = 0.05
     policy, events = _policy(remeasure_s=5.0, gbs_max=16)  # no rung above 16
-    step, up = _feed(policy, 1, 1, 40, t8, gns=1e5, clock=True)
+    clock = [0.0]
+    step, up = _feed(policy, 1, 1, 40, t8, gns=1e5, clock=clock)
     assert up is not None and up.strategy.gbs == 16
     policy.resized(up, 0.3)
-    assert _feed(policy, 1, step + 1, 100, 1.5 * t8, gns=1e5, clock=True) == (None, None)  # 7.5 s at gbs 16
+    assert _feed(policy, 1, step + 1, 100, 1.5 * t8, gns=1e5, clock=clock) == (None, None)  # 7.5 s at gbs 16
     assert policy.previous[-1] not in policy.samples and policy.previous[-1] in policy.forgotten
-    _, down = _feed(policy, 1, step + 101, 40, 1.5 * t8, gns=0.01, clock=True)  # no noise: the shorter step wins
+    _, down = _feed(policy, 1, step + 101, 40, 1.5 * t8, gns=0.01, clock=clock)  # no noise: the shorter step wins
     chosen = events.rows[-1]
     assert down is not None and down.strategy.gbs == 8 and chosen["candidate_kind"] == "previous_gbs"
     assert chosen["candidate_t"] != t8  # a prediction, not the forgotten median

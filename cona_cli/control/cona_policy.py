@@ -95,7 +95,8 @@ class ConaPolicy(Policy):
 
     def _rungs_to_search(self) -> list[int]:
         i = self.ladder.index(self.current.strategy.gbs)
-        below = [self.previous[-1].gbs] if self.previous else []  # predicted if its times were forgotten
+        back = self.previous[-1] if self.previous else None
+        below = [back.gbs] if back is not None and back not in self.samples else []  # its times were forgotten
         return below + self.ladder[i : i + 1 + self.s.lookahead]  # this rung (better layout?) and the frontier
 
     def _maybe_search(self) -> None:
@@ -221,7 +222,8 @@ class ConaPolicy(Policy):
         if self.previous:  # the rung we came from, at its measured speed: undo a move that did not pay
             back = self.previous[-1]
             if back in self.samples:
-                candidates.append(("previous_gbs", Candidate(back, statistics.median(self.samples[back]), 0, 0, 0)))
+                t_back = statistics.median(self.samples[back])
+                candidates.append(("previous_gbs", Candidate(back, t_back, 0.0, 0.0, 0.0)))
             elif (below := results.get(back.gbs)) is not None and below.best is not None:
                 candidates.append(("previous_gbs", below.best))  # its times were forgotten: predicted
         if not candidates:
