@@ -15,13 +15,16 @@ sequence, with free switches): the ceiling of what chaining these strategies cou
 
     python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3] [--first-seed N]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
-        [--kappa 3] [--relaunch] [--stale] [--tabulate]
+        [--kappa 3] [--relaunch] [--stale] [--again static-16] [--tabulate]
 
 `--kappa K` adds a `cona-k<K>` run (cona with `search.kappa: K`, e.g. fitted by scripts/fit_kappa.py
 on another seed's static runs; `auto` gives `cona-kauto`); `--relaunch` adds, for every cona run, a
 `<name>-relaunch` run with `search.in_place: false` (every switch relaunches, as before in-place
 resizes); `--stale` adds `<name>-stale` with `search.remeasure_s: 0` (step times of a rung are never
-forgotten, as before); `--tabulate` runs nothing and tabulates the run folders under --out (e.g. for other targets).
+forgotten, as before); `--again NAME` runs NAME a second time in each seed as `NAME-again` (same
+config, interleaved) and prints their per-seed ratio: how far two identical runs of one seed land apart
+on this host, the floor under any per-seed comparison; `--tabulate` runs nothing and tabulates the run
+folders under --out (e.g. for other targets).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from cona_cli.config import load_config  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
 
+AGAIN = "-again"  # suffix of the identical reruns made by --again
 HINDSIGHT = "hindsight chain"  # the statics' fastest chain in hindsight (see hindsight_chain)
 CONA = [sys.executable, "-c", "from cona_cli.app import main; main()"]
 
@@ -77,6 +81,11 @@ def variants(
     runs["static-auto"] = static(gbs_static)
     runs.update({f"static-{g}": static(g) for g in ladder if g != gbs_static})
     return runs
+
+
+def is_static(name: str) -> bool:
+    """A static run that competes for the best static (not a rerun made by --again)."""
+    return name.startswith("static") and not name.endswith(AGAIN)
 
 
 def run_once(name: str, variant: dict, seed: int, out: Path, max_time: float) -> Path:
@@ -175,7 +184,7 @@ def speedups(
             if label == "static-auto":
                 base = results.get("static-auto", {}).get(seed, [None] * n_targets)[j]
             else:
-                statics = [r[seed][j] for n, r in results.items() if n.startswith("static") and seed in r]
+                statics = [r[seed][j] for n, r in results.items() if is_static(n) and seed in r]
                 base = min((t for t in statics if t is not None), default=None)
             row.append(base / run_times[j] if base is not None and run_times[j] is not None else None)
         out[seed] = row
@@ -196,6 +205,7 @@ def main() -> None:
     ap.add_argument("--kappa", default="", help="comma-separated κ values (or auto): a cona-k<κ> run for each")
     ap.add_argument("--relaunch", action="store_true", help="each cona run also with search.in_place: false")
     ap.add_argument("--stale", action="store_true", help="each cona run also with search.remeasure_s: 0")
+    ap.add_argument("--again", default="", help="comma-separated runs to run twice per seed (NAME-again)")
     ap.add_argument("--tabulate", action="store_true", help="run nothing: tabulate the run folders under --out")
     ap.add_argument("--reuse", action="store_true", help="keep run folders that finished; run only the others")
     args = ap.parse_args()
@@ -213,6 +223,10 @@ def main() -> None:
     runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], kappas, args.relaunch, args.stale)
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
+    for name in [n for n in args.again.split(",") if n]:
+        if name not in runs:
+            raise SystemExit(f"--again: no run named {name!r} (runs: {', '.join(runs)})")
+        runs[name + AGAIN] = runs[name]
     targets = [float(t) for t in args.targets.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     base_seed = args.first_seed if args.first_seed is not None else int(doc["train"].get("seed", 1234))
@@ -232,21 +246,21 @@ def main() -> None:
                 done = run_once(name, runs[name], seed, args.out, args.max_time)
             results[name][seed] = times(done, targets)
         if i == 0 and args.drop_worst:
-            statics = [n for n in runs if n.startswith("static-") and n != "static-auto"]
+            statics = [n for n in runs if is_static(n) and n != "static-auto"]
             slowest = sorted(statics, key=lambda n: progress(results[n][seed]))[-args.drop_worst :]
             print(f"dropped after seed {base_seed}: {', '.join(slowest)} (fewest targets reached, then slowest)")
             runs = {k: v for k, v in runs.items() if k not in slowest}
     results = {name: per_seed for name, per_seed in results.items() if per_seed}
     chain: dict[int, list[float | None]] = {}
     for seed in {seed for per_seed in results.values() for seed in per_seed}:
-        statics = [args.out / f"s{seed}" / n for n, r in results.items() if n.startswith("static") and seed in r]
+        statics = [args.out / f"s{seed}" / n for n, r in results.items() if is_static(n) and seed in r]
         if len(statics) > 1:
             chain[seed] = hindsight_chain(statics, targets)
     if chain:
         results[HINDSIGHT] = chain
 
     rates = []
-    for name in [n for n in results if n.startswith("static")]:
+    for name in [n for n in results if n.startswith("static")]:  # with the reruns: their speed drifts too
         per_seed = [samples_per_s(args.out / f"s{seed}" / name) for seed in results[name]]
         rates.append(f"{name} {spread([r for r in per_seed if r is not None])}")
     print("\nsamples/s (median step of each run; median [range] over seeds): " + ", ".join(rates))
@@ -269,6 +283,14 @@ def main() -> None:
     for cona in conas:
         for seed, ups in sorted(speedups(results, cona, "best static", len(targets)).items()):
             print(f"  {cona} s{seed}: " + " / ".join("-" if u is None else f"{u:.3g}" for u in ups))
+    for again in [n for n in results if n.endswith(AGAIN)]:
+        first = again.removesuffix(AGAIN)
+        at = " / ".join(f"ppl {t:g}" for t in targets)
+        print(f"\nidentical runs: {first}'s time / {again}'s time per seed ({at}):")
+        for seed, t2 in sorted(results[again].items()):
+            t1 = results[first].get(seed, [None] * len(targets))
+            ratios = ("-" if a is None or b is None else f"{a / b:.3g}" for a, b in zip(t1, t2))
+            print(f"  s{seed}: " + " / ".join(ratios))
 
 
 if __name__ == "__main__":
