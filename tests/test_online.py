@@ -110,6 +110,13 @@ def test_lookahead_lets_one_switch_climb_two_rungs() -> None:
         assert chosen["candidate_kind"] == kind and chosen["kappa"] == 1.0
 
 
+def test_before_any_evidence_kappa_auto_is_one_and_logs_the_whole_range_as_its_interval() -> None:
+    policy, events = _policy(kappa="auto")
+    _feed(policy, 1, 1, 6, 0.05, gns=4.0)
+    decisions = [e for e in events.rows if e["kind"] == "decision"]
+    assert decisions and all(e["kappa"] == 1.0 and e["kappa_interval"] == [0.25, 32.0] for e in decisions)
+
+
 def test_step_times_taken_while_a_standby_imports_are_not_the_strategys() -> None:
     policy, _ = _policy()
     start = policy.first().strategy

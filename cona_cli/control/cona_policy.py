@@ -73,7 +73,7 @@ class ConaPolicy(Policy):
         self._launch_timed = 0  # steps of this launch timed into `samples`
         self._last_gns: float | None = None
         self.probe: list[tuple[float, float, int, float]] = []  # (samples, val loss, gbs, GNS) per evaluation
-        self.kappa_fit = KappaFit(1.0, 1.0, 1.0, 1.0, 0.0)
+        self.kappa_fit = fit_kappa([])  # no evidence yet: κ 1, the interval every κ
         self.leading: Strategy | None = None  # the last decision's best candidate
         first = self._search_now(self.ladder[0]).best
         if first is None:
