@@ -7,8 +7,8 @@ of extra samples is larger than GNS says (shared/notes/phi-under-adam.md measure
 The model: a sample at batch b and noise scale G is worth 1 / (1 + b / (κ G)) of a sample at b → 0,
 so each curve's progress runs on an efficiency clock m(n) = Σ Δn_k / (1 + b_k / (κ G_k)), and the loss
 on a fixed probe set (the run's validation slice) follows one power law of that clock for every run:
-L = L∞ + A (m / 10⁵ + c)^(−α). κ is profiled over [1/4, 32] by least squares of that law; its interval
-is the profile-likelihood 95% range; log κ is shrunk toward 0 (prior σ = ln 2) and κ = 1 is kept
+L = L∞ + A (m / 10⁵ + c)^(−α). κ is profiled over [1/4, 32] by least squares of that law; log κ is
+shrunk toward 0 (prior σ = ln 2), the interval is that posterior's 95% range, and κ = 1 is kept
 unless the fit is clearly better (by `MIN_EVIDENCE` log-likelihood units), so weak or flat evidence
 (one batch size, noise) leaves the paper's Φ.
 """
@@ -84,8 +84,9 @@ def fit_kappa(curves: list[Curve], grid: np.ndarray = GRID) -> KappaFit:
     ks, loglik = profile(curves, grid)
     posterior = loglik - np.log(ks) ** 2 / (2 * PRIOR_SIGMA**2)
     i = int(np.argmax(posterior))
-    # The threshold is crossed between grid points: report the neighbours outside the region.
-    inside = np.flatnonzero(loglik >= loglik.max() - CHI2_95)
+    # The interval of the same (shrunk) posterior as the best κ, so that it contains it. The threshold
+    # is crossed between grid points: report the neighbours outside the region.
+    inside = np.flatnonzero(posterior >= posterior.max() - CHI2_95)
     low, high = ks[max(inside.min() - 1, 0)], ks[min(inside.max() + 1, len(ks) - 1)]
     best = _vertex(np.log(ks), posterior, i)
     at_one = float(np.interp(0.0, np.log(ks), loglik))
