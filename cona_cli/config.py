@@ -83,13 +83,36 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
 
+DATA_FORMATS = ("auto", "text", "jsonl", "bin", "npy", "megatron", "hf")  # launch.data.sources keeps the same
+MAX_VOCAB = 2**32 - 1  # token arrays are uint16 up to 65536 ids, uint32 above
+
+
+def _tokenizer(v: Any) -> str | None:
+    """bpe, byte, or a path (to a tokenizer.json or a tokenizer folder; prepare_corpus checks it loads)."""
+    if v in ("bpe", "byte") or (v and ("/" in v or v.endswith(".json") or Path(v).expanduser().exists())):
+        return None
+    return "must be one of bpe, byte, or a path to a tokenizer.json or a tokenizer folder"
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    """Where text comes from and how it is tokenized. No `path`: a generated synthetic corpus."""
+    """Where the training data comes from, its format and its tokenizer (docs/data.md). No `path`: a
+    generated synthetic corpus."""
 
-    path: str | None = _f(None)
-    tokenizer: str = _f("bpe", _one_of("bpe", "byte"))
-    vocab_size: int = _f(2048, lambda v: None if 260 <= v <= 65535 else "must be in [260, 65535]")
+    path: str | None = _f(None)  # a folder, a file, a glob or a Megatron prefix
+    format: str = _f("auto", _one_of(*DATA_FORMATS))  # auto: from the file names
+    valid_path: str | None = _f(None)  # validation data (default: files named val*/valid* in path, else a split)
+    valid_fraction: float = _f(0.05, lambda v: None if 0 < v < 1 else "must be in (0, 1)")  # of the documents
+    valid_seed: int = _f(0, _non_negative)  # the draw of the validation documents
+    # bpe (trained on the corpus), byte, or PATH: a Hugging Face tokenizer.json or a local tokenizer folder
+    tokenizer: str = _f("bpe", _tokenizer)
+    # bpe: the trained vocabulary; pre-tokenized data without a tokenizer: the ids in use; and what
+    # `cona search` plans with before a corpus is prepared. A PATH tokenizer sets the run's own.
+    vocab_size: int = _f(2048, lambda v: None if 260 <= v <= MAX_VOCAB else f"must be in [260, {MAX_VOCAB}]")
+    # text: what ends a document (blank: a whitespace-only line; line; file; or any other string between them)
+    doc_separator: str = _f("blank", lambda v: None if v else "must not be empty")
+    text_key: str = _f("text", lambda v: None if v else "must not be empty")  # jsonl / hf: the text field
+    dtype: str | None = _f(None, _one_of("uint16", "uint32", "int32"))  # bin: the raw tokens' dtype
     cache_dir: str | None = _f(None)
     synthetic_tokens: int = _f(400_000, _positive)
 

@@ -98,15 +98,30 @@ def test_byte_tokenizer_and_folder_cache(tmp_path: Path, _cache: Path) -> None:
     (corpus / "train.txt").write_text("héllo world\n" * 50)
     (corpus / "valid.txt").write_text("hello again\n" * 5)
     info = prepare_corpus(DataConfig(path=str(corpus), tokenizer="byte"))
-    assert info.vocab_size == 256 and info.tokenizer_path is None
+    assert info.vocab_size == 257 and info.eos_id == 256  # the bytes and GPT-2's <|endoftext|>
     assert Path(info.train_path).parent.parent == corpus / ".cona-cache"  # writable, not under shared/
-    assert bytes(np.load(info.train_path).astype(np.uint8)) == (corpus / "train.txt").read_bytes()
+    doc = ("héllo world\n" * 50).rstrip("\n").encode()  # one document (no blank line), then the EOS
+    assert np.load(info.train_path).tolist() == [*doc, 256]
+    tok = Tokenizer.from_file(info.tokenizer_path)  # the byte-level tokenizer.json `cona export` copies
+    assert tok.encode("héllo").ids == list("héllo".encode()) and tok.token_to_id("<|endoftext|>") == 256
     (corpus / "valid.txt").write_text("changed\n" * 5)
     assert prepare_corpus(DataConfig(path=str(corpus), tokenizer="byte")).key != info.key
 
     shared = tmp_path / "shared" / "corpus"
     shutil.copytree(corpus, shared, ignore=shutil.ignore_patterns(".cona-cache"))
     assert Path(prepare_corpus(DataConfig(path=str(shared), tokenizer="byte")).train_path).parent.parent == _cache
+
+
+def test_streamed_array_is_a_plain_npy(tmp_path: Path) -> None:
+    from launch.data.tokenize import TokenWriter, token_dtype
+
+    assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+    w = TokenWriter(tmp_path / "t.npy", np.dtype(np.uint32))
+    for k in range(3):
+        w.write(np.arange(k * 10, k * 10 + 10) + 70_000)
+    assert w.close() == 30
+    got = np.load(tmp_path / "t.npy", mmap_mode="r")
+    assert got.dtype == np.uint32 and got.tolist() == list(range(70_000, 70_030))
 
 
 def test_concurrent_prepare_builds_once(tmp_path: Path) -> None:
@@ -179,11 +194,9 @@ def test_eval_batches_are_layout_independent(ramp: str) -> None:
 
 
 def test_errors_name_the_file(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=f"data.path: {tmp_path / 'nope'}: no such folder"):
+    with pytest.raises(DataError, match=f"data.path: {tmp_path / 'nope'}: no such file or folder"):
         prepare_corpus(DataConfig(path=str(tmp_path / "nope")))
     (tmp_path / "train.txt").write_text("some text\n")
-    with pytest.raises(DataError, match=f"{tmp_path / 'valid.txt'}: missing"):
-        prepare_corpus(DataConfig(path=str(tmp_path)))
     (tmp_path / "valid.txt").write_text("")
     with pytest.raises(DataError, match=f"{tmp_path / 'valid.txt'}: empty"):
         prepare_corpus(DataConfig(path=str(tmp_path)))
@@ -199,7 +212,11 @@ def test_errors_name_the_file(tmp_path: Path) -> None:
 @pytest.mark.skipif(not WIKITEXT.is_dir(), reason="WikiText-2 not available")
 def test_wikitext_bpe(tmp_path: Path) -> None:
     info = prepare_corpus(DataConfig(path=str(WIKITEXT), vocab_size=1024, cache_dir=str(tmp_path / "c")))
-    assert info.vocab_size == 1024
+    assert info.vocab_size == 1024 and info.eos_id == 1023  # test.txt is not read
+    tok = Tokenizer.from_file(info.tokenizer_path)
+    valid = np.load(info.valid_path)
+    assert valid[-1] == 1023 and 1000 < (valid == 1023).sum() < 2000  # an EOS after each paragraph and heading
+    assert tok.decode(valid[:200].tolist()).startswith(" = Homarus gammarus = ")
     ratio = (WIKITEXT / "train.txt").stat().st_size / info.n_train_tokens
     assert 2.0 < ratio < 4.0, ratio  # ~2.6 bytes/token at 1024 (~4.0 at 8192)
     assert 0.08 < info.n_valid_tokens / info.n_train_tokens < 0.13

@@ -7,9 +7,11 @@ imports the family's module (torch) for the engine. A new family is one module e
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from launch.models.shape import ModelShape, bert_shape, gpt_shape, llama_shape
 
@@ -25,13 +27,32 @@ SHAPES: dict[str, Callable[[ModelConfig, int], ModelShape]] = {
 }
 
 
+VOCAB_MULTIPLE = 128  # Megatron's make-vocab-size-divisible-by: tp 1, 2, 4, 8 (any power of two to 128) divide it
+
+
+def padded_vocab(vocab: int) -> int:
+    """The model's embedding rows for a tokenizer of `vocab` ids: rounded up to a multiple of 128, the same
+    under every layout (so checkpoints move between strategies); the extra rows are never targets."""
+    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def _padded(fn: Callable, m: ModelConfig, vocab: int) -> Any:
+    return fn(m, padded_vocab(vocab))
+
+
+@functools.cache
 def get_spec(family: str) -> ModelSpec:
-    """The engine's spec of a family (imports torch)."""
+    """The engine's spec of a family (imports torch). Its `build`, `shape` and Hugging Face config take the
+    tokenizer's vocabulary and pad it (`padded_vocab`); its `batch` keeps the tokenizer's ids."""
     if family not in FAMILY_MODULES:
         raise KeyError(f"model.family: unknown family {family!r} (known: {', '.join(FAMILY_MODULES)})")
-    return importlib.import_module(FAMILY_MODULES[family]).SPEC
+    spec = importlib.import_module(FAMILY_MODULES[family]).SPEC
+    hf = spec.hf and dataclasses.replace(spec.hf, config=functools.partial(_padded, spec.hf.config))
+    return dataclasses.replace(
+        spec, build=functools.partial(_padded, spec.build), shape=functools.partial(_padded, spec.shape), hf=hf
+    )
 
 
 def model_shape(m: ModelConfig, vocab: int) -> ModelShape:
-    """The planner's view of the configured model (torch-free)."""
-    return SHAPES[m.family](m, vocab)
+    """The planner's view of the configured model (torch-free), its vocabulary padded as the engine's."""
+    return SHAPES[m.family](m, padded_vocab(vocab))
