@@ -6,6 +6,10 @@ schedule and statistics state) and a `COMMITTED` marker written last. Saving goe
 never leaves a folder that looks complete. Loading ignores folders without the marker, and reshards
 to whatever layout is running: parameter names are the same under every (dp, tp, pp). Pruning
 runs only after a newer checkpoint is committed, so the newest committed one is never deleted first.
+
+Running out of memory while loading says nothing about the checkpoint: it is raised as out of memory
+(every rank together), never as CheckpointError, so the controller marks the strategy infeasible and
+keeps the checkpoint instead of quarantining it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from cona_cli.rundir import MARKER, TRAINER_STATE, committed, read_trainer_state, step_dir
+from launch.device import is_out_of_memory
 
 # Flattened optimizer state: the default nests param_groups in one pickled entry that DCP keeps from
 # a single rank, which breaks Adam under pipeline parallelism (KeyError: 'betas').
@@ -113,22 +118,37 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
         trainer_state = read_trainer_state(path)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    states = _states(model, optimizer)
-    error = None
+    states = _states(model, optimizer)  # out of memory here (the optimizer's moments) is raised as it is
+    error: tuple[bool, str] | None = None  # (out of memory, what went wrong)
+    failed: BaseException | None = None
     try:
         with warnings.catch_warnings():  # DCP warns that no_dist means one process; here it means no collectives
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(states, checkpoint_id=str(path), no_dist=True)
     except (Exception, CheckpointException) as e:  # several types for missing/truncated/garbled shards
-        error = f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)  # every rank fails if one cannot read its shards
+        failed, error = e, (is_out_of_memory(e), _describe(e))
+    errors: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # every rank fails (the same way) if one cannot read its shards
+    oom = next((r for r, e in enumerate(errors) if e is not None and e[0]), None)
+    if oom is not None:  # memory, not the checkpoint: raised as out of memory on every rank
+        said = errors[oom]
+        assert said is not None
+        raise torch.OutOfMemoryError(f"rank {oom} ran out of memory loading {path} ({said[1]})") from failed
     first = next((e for e in errors if e is not None), None)
     if first is not None:
-        raise CheckpointError(first)
+        raise CheckpointError(f"{path}: cannot load ({first[1]})")
     try:
         set_model_state_dict(model, states["model"])
         set_optimizer_state_dict(model, optimizer, states["optim"], options=_OPTIONS)
     except Exception as e:
+        if is_out_of_memory(e):
+            raise
         raise CheckpointError(f"{path}: does not fit the model ({type(e).__name__}: {str(e)[:200]})") from None
     return trainer_state
+
+
+def _describe(e: BaseException) -> str:
+    """`Type: first line` of an error; for DCP's CheckpointException, of the first failed rank's own error."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"

@@ -37,12 +37,15 @@ from launch import checkpoint, testhooks
 from launch.data import CorpusInfo, TokenStream, eval_batches, replica_microbatches
 from launch.device import (
     DeviceError,
+    gpus_wanted,
     group_device,
     init_distributed,
     is_out_of_memory,
     peak_memory,
+    reset_peak_memory,
     shorten_timeouts,
     synchronize,
+    threads_per_rank,
 )
 from launch.gradstats import SmallBatchNorms, local_grad_sq, scale_grads
 from launch.layout import Layout, build_layout
@@ -311,6 +314,7 @@ class Worker:
             self.small.resize()
         self.__dict__.pop("eval_set", None)
         self.memory_estimate = self.files.memory_estimates().get(str(strategy))
+        reset_peak_memory(self.device)  # the new batch's own peak (CUDA; the CPU's peak RSS cannot go down)
 
     def _update_noise(self, small_total: float, big_sq: float) -> dict[str, float]:
         """Feed one step's norms to the GNS estimator; returns the metric fields."""
@@ -446,6 +450,7 @@ class Worker:
                 groups = [self.mesh[d].get_group() for d in ("pp", "dp", "tp")]
                 shorten_timeouts(self.cfg.cluster.collective_timeout_s, groups)
                 self.timeouts_shortened = True
+                reset_peak_memory(self.device)  # later rows: the steady state, not start-up and loading
             self.emit(
                 {
                     "kind": "step",
@@ -508,18 +513,19 @@ def run(
     resolved = RunDir(run_dir).resolved_config
     cfg = config_from_json(resolved.read_text(), str(resolved))
     try:
-        device = init_distributed(cfg.cluster)
+        device = init_distributed(cfg.cluster, gpus_wanted(cfg))
     except DeviceError as e:
         print(f"cona-worker: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(threads_per_rank())
     with exit_on_out_of_memory(lambda: strategy, device):
         worker = Worker(cfg, run_dir, strategy, launch, device, layout if resume is not None else None)
     # SIGTERM from torchrun or the controller: finish the step, checkpoint, exit.
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop_requested", True))
     if resume is not None:
         try:
-            worker.restore(resume)
+            with exit_on_out_of_memory(lambda: strategy, device):  # memory, not the checkpoint: it stays
+                worker.restore(resume)
         except checkpoint.CheckpointError as e:
             print(f"cona-worker rank {worker.rank}: bad checkpoint: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()

@@ -7,7 +7,16 @@ storage probe), and a launcher only starts it, signals it and reports its output
 - `ssh`: `ssh -T -o BatchMode=yes <node> 'cd WORKDIR && exec PYTHON -m launch.node.agent'`; the
   command and the run's environment go over stdin (never on a command line), and stopping writes
   `term`/`kill` to it. If the controller dies, ssh's stdin closes and the node stops its job.
-- `slurm`: one `srun --ntasks-per-node=1 --kill-on-bad-exit=1 --label` for all nodes of the allocation.
+  ssh carries no environment, so the node gets the run's variables plus these of the controller's shell:
+  every `CONA_*`, `NCCL_*` (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...), `CUDA_*`, `TORCH_*`, `PYTORCH_*`,
+  `GLOO_*`, `FI_*` (libfabric, e.g. EFA) and `UCX_*` variable, and MALLOC_MMAP_THRESHOLD_ /
+  MALLOC_TRIM_THRESHOLD_ (`FORWARDED_PREFIXES`, `FORWARDED_NAMES`); `cluster.env` and a host's `env` win.
+- `slurm`: one `srun --ntasks-per-node=1 --kill-on-bad-exit=1 --label` for all nodes of the allocation
+  (srun passes the whole environment on).
+
+Threads per rank on ssh and srun nodes: unless `cluster.threads_per_proc` fixes it, each node divides its
+own CPUs among its ranks (`CONA_THREADS_PER_PROC=node`, read by `launch.device.threads_per_rank`), not the
+controller's machine's count.
 """
 
 from __future__ import annotations
@@ -19,13 +28,21 @@ import signal
 import subprocess
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from cona_cli.cluster.nodes import Node
 from cona_cli.config import ClusterConfig
 
 ArgvFor = Callable[[Node | None], list[str]]  # the command for a node (None: one line for all nodes)
-FORWARDED_PREFIXES = ("CONA_",)  # variables of this process that ssh nodes get too
+# Variables of this process that ssh nodes get too (srun forwards the whole environment itself).
+FORWARDED_PREFIXES = ("CONA_", "NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "GLOO_", "FI_", "UCX_")
+FORWARDED_NAMES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+NODE_THREADS = {"CONA_THREADS_PER_PROC": "node", "OMP_NUM_THREADS": "1"}  # the node counts its own CPUs
+
+
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What of `environ` (the controller's) a remote node gets."""
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
 
 
 class Agent:
@@ -98,6 +115,13 @@ class Launcher(ABC):
     def start(self, nodes: list[Node], argv_for: ArgvFor, env: dict[str, str]) -> list[Agent]:
         """Start the command on every node; `env` is added to each node's environment."""
 
+    def node_threads(self, env: dict[str, str]) -> dict[str, str]:
+        """`env` for a node that is another machine: the thread count the controller computed from its own
+        CPUs (OMP_NUM_THREADS) is left to the node unless `cluster.threads_per_proc` fixed it."""
+        if self.cluster.threads_per_proc is not None or "OMP_NUM_THREADS" not in env:
+            return env
+        return {**env, **NODE_THREADS}
+
 
 class LocalLauncher(Launcher):
     def start(self, nodes: list[Node], argv_for: ArgvFor, env: dict[str, str]) -> list[Agent]:
@@ -114,8 +138,7 @@ class SshLauncher(Launcher):
         return ["ssh", "-T", "-o", "BatchMode=yes", *self.cluster.ssh_args, node.name, remote]
 
     def remote_env(self, node: Node, env: dict[str, str]) -> dict[str, str]:
-        forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
-        return {**forwarded, **self.cluster.env, **node.env, **env}
+        return {**forwarded_env(os.environ), **self.cluster.env, **node.env, **self.node_threads(env)}
 
     def start(self, nodes: list[Node], argv_for: ArgvFor, env: dict[str, str]) -> list[Agent]:
         agents = []
@@ -146,7 +169,8 @@ class SlurmLauncher(Launcher):
 
     def start(self, nodes: list[Node], argv_for: ArgvFor, env: dict[str, str]) -> list[Agent]:
         argv = self.command(nodes) + argv_for(None)
-        return [Agent("srun", list(nodes), _popen(argv, {**os.environ, **self.cluster.env, **env}))]
+        environ = {**os.environ, **self.cluster.env, **self.node_threads(env)}
+        return [Agent("srun", list(nodes), _popen(argv, environ))]
 
 
 LAUNCHER_TYPES: dict[str, type[Launcher]] = {"local": LocalLauncher, "ssh": SshLauncher, "slurm": SlurmLauncher}

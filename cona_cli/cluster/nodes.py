@@ -5,6 +5,11 @@ agent per node; they meet in a c10d rendezvous (a fresh id, and by default a fre
 node, per launch) whose store the head node's agent hosts. The head node is this machine, where the
 controller runs: the first of `cluster.nodes` for `ssh`, the first host of the allocation for
 `slurm` (an sbatch script runs there), loopback for `local`.
+
+`local` nodes share this machine, and its GPUs: with a GPU backend every rank needs its own GPU
+(nodes x procs_per_node of them, else a one-line refusal before anything starts), and each local node
+sees only its own slice through CUDA_VISIBLE_DEVICES (its ranks take cuda:LOCAL_RANK, which would
+otherwise be the same GPUs on every node: NCCL's "Duplicate GPU detected").
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cona_cli.cluster.slurm import SlurmError, allocation_hosts
-from cona_cli.config import ClusterConfig
+from cona_cli.config import ClusterConfig, ConfigError
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's default, for an explicit endpoint host without a port
 
@@ -48,7 +53,46 @@ def resolve_nodes(cluster: ClusterConfig, environ: Mapping[str, str] | None = No
             )
         return [Node(i, h, h, {}, workdir) for i, h in enumerate(hosts)]
     addr = cluster.head_addr or "127.0.0.1"
-    return [Node(i, f"node{i}", addr, {}, workdir) for i in range(cluster.nodes)]
+    envs = local_device_envs(cluster, visible_gpus())
+    return [Node(i, f"node{i}", addr, envs[i], workdir) for i in range(cluster.nodes)]
+
+
+def visible_gpus() -> list[str]:
+    """This machine's GPUs as this process sees them: CUDA_VISIBLE_DEVICES entries (numbers or UUIDs), else
+    0..n-1 (torch counts them through NVML, without creating a CUDA context)."""
+    import torch  # only here: the rest of the controller's start does not need it
+
+    count = torch.cuda.device_count()
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is None:
+        return [str(i) for i in range(count)]
+    return [d.strip() for d in given.split(",") if d.strip()][:count]
+
+
+def local_device_envs(cluster: ClusterConfig, gpus: list[str]) -> list[dict[str, str]]:
+    """Each local node's extra environment: its own GPUs under a GPU backend. Raises ConfigError (one line)
+    when this machine cannot give every rank a GPU."""
+    c = cluster
+    none: list[dict[str, str]] = [{} for _ in range(c.nodes)]
+    if c.backend == "gloo" or (c.backend == "auto" and not gpus):
+        return none
+    if not gpus:
+        raise ConfigError(
+            "cluster.backend: nccl but this machine has no GPU (torch.cuda.device_count() is 0: a CPU-only "
+            "torch, no driver, or CUDA_VISIBLE_DEVICES hides them); use backend gloo or auto"
+        )
+    need = c.nodes * c.procs_per_node
+    if len(gpus) < need:
+        what = (
+            f"cluster.nodes: {c.nodes} local nodes x {c.procs_per_node} procs_per_node = {need} ranks"
+            if c.nodes > 1
+            else f"cluster.procs_per_node: {need} ranks"
+        )
+        raise ConfigError(f"{what} need one GPU each but this machine has {len(gpus)} (cluster.backend {c.backend})")
+    if c.nodes == 1:
+        return none
+    p = c.procs_per_node
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * p : (i + 1) * p])} for i in range(c.nodes)]
 
 
 def is_multi_node(cluster: ClusterConfig) -> bool:

@@ -38,7 +38,7 @@ from cona_cli.cluster.nodes import (
 from cona_cli.cluster.shared_storage import check_shared
 from cona_cli.config import Config
 from cona_cli.control import usable_checkpoints as checkpoints
-from cona_cli.control.failures import Failure, failed_host, parse_failure
+from cona_cli.control.failures import REFUSED_EXIT, Failure, failed_host, parse_failure
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict, write_atomic
 from cona_cli.control.standby import Standby, standby_args
@@ -220,6 +220,8 @@ class Controller:
                 return self._interrupted(outcome)
             if result.returncode != 0 or outcome is None:
                 failure = self._record_failure(result, ckpt)
+                if failure.refusal is not None:  # deterministic: relaunching would only fail again
+                    return self._exit(REFUSED_EXIT, "refused", self.last_metric.get("step", 0))
                 if failure.out_of_memory:
                     stage = self._out_of_memory(Strategy.parse(failure.strategy or str(stage.strategy)), failure)
                     if stage is None:
@@ -285,8 +287,11 @@ class Controller:
             last_lines=failure.last_lines,
             **({"host": host} if self.multi_node else {}),
         )
-        self.console.print("\n".join(failure.last_lines), markup=False, highlight=False)
         where = f"node {host}: " if self.multi_node and host else ""
+        if failure.refusal is not None:  # the worker's one line says it all
+            self.console.print(f"cona: {where}{failure.refusal}", style="red", markup=False, highlight=False)
+            return failure
+        self.console.print("\n".join(failure.last_lines), markup=False, highlight=False)
         self.console.print(f"[red]cona: launch {self.launch} failed: {where}{failure.describe()}; see {log_path}[/red]")
         if failure.bad_checkpoint and ckpt is not None and ckpt.is_dir():
             moved = checkpoints.quarantine(ckpt)

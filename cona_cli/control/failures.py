@@ -3,7 +3,11 @@
 When one rank dies the others only report gloo "Connection closed by peer" (NCCL: a remote error,
 an aborted communicator or a watchdog timeout); the real cause is the rank torchrun names under "Root
 Cause (first observed failure)", and that rank's own output lines (prefixed `[default<local_rank>]:` by
-the tee). Out of memory is recognised by the worker's exit code or torch's own error text.
+the tee). Out of memory is recognised by the worker's exit code or the error text of torch, CUDA, NCCL or
+cuBLAS (NCCL and cuBLAS allocations do not go through torch's allocator and fail as DistBackendError or
+RuntimeError: the same texts as `launch.device.OUT_OF_MEMORY_TEXT`). A rank that exits with
+`REFUSED_EXIT` refused deterministically (its node cannot run the config, e.g. no GPU for NCCL): running
+it again cannot help, and the run ends with the worker's one line.
 """
 
 from __future__ import annotations
@@ -20,13 +24,17 @@ if TYPE_CHECKING:
 
 _BLOCK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 _ROOT = "Root Cause (first observed failure)"
-_OUT_OF_MEMORY = (  # torch's CUDA caching allocator, a CUDA kernel or NCCL, the CPU allocator
-    "CUDA out of memory",
-    "CUDA error: out of memory",
-    "Cuda failure 'out of memory'",
-    "OutOfMemoryError",
-    "DefaultCPUAllocator: can't allocate memory",
+# torch's caching allocator, a CUDA runtime call (cudaErrorMemoryAllocation), NCCL's buffers (its last
+# error: "Cuda failure 2 'out of memory'" from cuMem*, "Cuda failure 'out of memory'", "Failed to CUDA
+# calloc N bytes"), cuBLAS/cuDNN handles ("CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+# the driver API, torch's exception name, the CPU allocator.
+_OUT_OF_MEMORY = re.compile(
+    r"CUDA out of memory|CUDA error: out of memory|Cuda failure (?:\d+ )?'out of memory'|Failed to CUDA calloc"
+    r"|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY"
+    r"|OutOfMemoryError|DefaultCPUAllocator: can't allocate memory"
 )
+REFUSED_EXIT = 2  # the worker's exit code for a node that cannot run the config (launch.worker: DeviceError)
+_REFUSAL = re.compile(r"^\s*cona-worker: (?!placement: )(.+)$")  # the worker's one line before REFUSED_EXIT
 _PEAK = re.compile(r"out of memory under (\S+): peak (\d+) bytes")  # the worker's own line
 _SRUN_TASK = re.compile(r"srun: error: (\S+): task \d+: (?!.*Terminated)")
 TAIL = 15
@@ -53,8 +61,20 @@ class Failure:
     def out_of_memory(self) -> bool:
         """The failing rank ran out of device (or host) memory."""
         return OUT_OF_MEMORY_EXIT in self.exit_codes.values() or any(
-            k in line for line in self.last_lines for k in _OUT_OF_MEMORY
+            _OUT_OF_MEMORY.search(line) for line in self.last_lines
         )
+
+    @property
+    def refusal(self) -> str | None:
+        """The worker's one line when the root-cause rank refused to run (exit `REFUSED_EXIT`): the same
+        config on the same nodes fails the same way, so the run ends instead of relaunching."""
+        if self.rank_exit_code != REFUSED_EXIT or self.out_of_memory:
+            return None
+        said = [m.group(1).strip() for line in self.last_lines for m in [_REFUSAL.match(line)] if m]
+        if said:
+            return said[-1]
+        lines = [line.strip() for line in self.last_lines if line.strip()]
+        return lines[-1] if lines else f"rank {self.rank} exited with code {REFUSED_EXIT}"
 
     @property
     def peak_bytes(self) -> int | None:
