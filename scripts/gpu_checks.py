@@ -1,12 +1,16 @@
 """GPU checks of the engine on one node (up to 8 GPUs, about 10 minutes); prints one table.
 
-    torchrun --standalone --nproc-per-node 8 scripts/gpu_checks.py [--out DIR]
+    torchrun --standalone --nproc-per-node 8 scripts/gpu_checks.py [--out FILE] [--checks layouts,reshard]
     torchrun --standalone --nproc-per-node 4 scripts/gpu_checks.py --cpu     # reduced smoke run on gloo
+
+Exits 1 when any row fails (or none ran), 0 otherwise: a gate. `--fail-check TEXT` marks the rows whose
+check or layout contains TEXT as failed, to test that gate.
 
 Checks (TF32 off): every feasible (dp, tp, pp) layout against a plain single-device fp32 reference
 (loss within 1e-3 over a few steps); bf16 against fp32 over 100 steps (loss within 2%); measured peak
-memory against the planner's estimate per layout (ratio, target within +-20%); DCP resharding between
-three layouts (weights and Adam moments exact); the pure data-parallel step time against a plain
+memory against the planner's estimate per layout (ratio, target within +-20%); DCP resharding through
+up to three layouts and back to the first (each layout trains a step, saves into its own folder, and the
+next one loads that save: weights and Adam moments exact); the pure data-parallel step time against a plain
 single-device loop at the same per-device batch (ratio <= 1.10). `--cpu` runs the same code on gloo with
 a tiny model and fewer steps: it exercises the script, its figures say nothing about GPUs (the memory
 ratio there compares the process's peak resident set, interpreter and libraries included).
@@ -19,6 +23,7 @@ import dataclasses
 import gc
 import json
 import math
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,6 +47,7 @@ from launch.worker import Worker
 
 GPU_MODEL = {"n_layers": 8, "d_model": 1024, "n_heads": 16, "ffn": 4096, "seq_len": 1024}
 CPU_MODEL = {"n_layers": 4, "d_model": 32, "n_heads": 4, "ffn": 64, "seq_len": 32}
+CHECKS = ("layouts", "bf16", "reshard", "time")  # the groups of rows, in the order they run
 
 
 def make_config(cpu: bool, world: int) -> Config:
@@ -117,7 +123,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="reduced smoke run on gloo (no GPU needed)")
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--checks", default=",".join(CHECKS), help=f"comma-separated groups to run (default: all of {','.join(CHECKS)})"
+    )
+    parser.add_argument("--fail-check", metavar="TEXT", help="mark the rows whose check or layout contain TEXT failed")
     args = parser.parse_args()
+    checks = set(args.checks.split(","))
+    if not checks <= set(CHECKS):
+        parser.error(f"--checks: unknown {', '.join(sorted(checks - set(CHECKS)))} (known: {', '.join(CHECKS)})")
     world = int(__import__("os").environ["WORLD_SIZE"])
     cfg = make_config(args.cpu, world)
     device = init_distributed(cfg.cluster)
@@ -138,13 +151,15 @@ def main() -> None:
     gbs, rows = 4 * world, []
 
     def row(check: str, what: str, value: float, target: str, ok: bool) -> None:
+        if args.fail_check and args.fail_check in f"{check} {what}":
+            ok, target = False, f"{target} (forced to fail)"
         rows.append({"check": check, "layout": what, "value": value, "target": target, "ok": bool(ok)})
 
     ref: list[float] = [None]  # type: ignore[list-item]
-    if rank == 0:
+    if rank == 0 and "layouts" in checks:
         ref = [plain_losses(cfg, corpus, gbs, few, device)[0]]
     dist.broadcast_object_list(ref)
-    for dp, tp, pp in layouts(cfg, world):
+    for dp, tp, pp in layouts(cfg, world) if "layouts" in checks else []:
         s = Strategy(dp, tp, pp, 1, gbs)
         reset_peak_memory(device)
         w = Worker(cfg, run_dir, s, 1, device)
@@ -158,38 +173,64 @@ def main() -> None:
         gc.collect()
 
     losses = {}
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16") if "bf16" in checks else ():
         w = Worker(with_precision(cfg, precision), run_dir, Strategy(world, 1, 1, 1, gbs), 1, device)
         losses[precision] = [w.train_step(False).loss for _ in range(long_steps)]
         del w
         gc.collect()
-    tail = max(1, long_steps // 10)
-    rel = abs(sum(losses["bf16"][-tail:]) / sum(losses["fp32"][-tail:]) - 1)
-    row(f"bf16 vs fp32, {long_steps} steps", f"dp{world}", rel, "<= 2%", rel <= 0.02)
+    if losses:
+        tail = max(1, long_steps // 10)
+        rel = abs(sum(losses["bf16"][-tail:]) / sum(losses["fp32"][-tail:]) - 1)
+        row(f"bf16 vs fp32, {long_steps} steps", f"dp{world}", rel, "<= 2%", rel <= 0.02)
 
-    chain = [Strategy(*lay, 1, gbs) for lay in layouts(cfg, world)[:3]]
-    w = Worker(cfg, run_dir, chain[0], 1, device)
-    w.ckpt_root = run_dir / "reshard"
-    for _ in range(2):
+    chain = [Strategy(*lay, 1, gbs) for lay in layouts(cfg, world)[:3]] if "reshard" in checks else []
+    hops = list(zip(chain, chain[1:] + chain[:1])) if len(chain) > 1 else []  # ... and back to the first
+    w = Worker(cfg, run_dir, chain[0], 1, device) if hops else None
+    for i, (here, nxt) in enumerate(hops):
+        assert w is not None
+        # One step under this layout, then its own save into a folder of its own: a restored Worker's
+        # `saved` names the checkpoint it came from, and a save at that step would hand that one back.
         w.train_step(False)
-    for i, nxt in enumerate(chain[1:]):
+        w.ckpt_root = run_dir / f"reshard-{i}"
         before, path = full_state(w), w.save("switch")
+        own = path.parent == w.ckpt_root
         w = Worker(cfg, run_dir, nxt, i + 2, device)
-        w.ckpt_root = run_dir / "reshard"
         w.restore(path)
         after = full_state(w)
         diff = (
             max(float((before[k] - after[k]).abs().max()) for k in before)
-            if before.keys() == after.keys()
+            if own and before.keys() == after.keys()
             else math.inf
         )
-        row("DCP reshard (exact)", f"{chain[i]} -> {nxt}", diff, "== 0", diff == 0)
+        row("DCP reshard (exact)", f"{here} -> {nxt}", diff, "== 0", diff == 0)
     del w
     gc.collect()
+    if "time" in checks:
+        row_time(cfg, corpus, run_dir, world, gbs, few, device, row)
 
+    failed = [True]
+    if rank == 0:
+        mode = "CPU smoke (gloo; figures say nothing about GPUs)" if args.cpu else f"{torch.cuda.get_device_name()}"
+        print(f"\ncona GPU checks: {world} ranks, {mode}")
+        print(f"{'check':<26} {'layout':<52} {'value':>10}  {'target':<11} ok")
+        for r in rows:
+            ok = "yes" if r["ok"] else "NO"
+            print(f"{r['check']:<26} {r['layout']:<52} {r['value']:>10.4g}  {r['target']:<11} {ok}")
+        if args.out:
+            args.out.write_text(json.dumps(rows, indent=1))
+        failed = [not rows or not all(r["ok"] for r in rows)]
+        bad = sum(not r["ok"] for r in rows)
+        print(f"{bad} of {len(rows)} checks failed" if rows else "no check ran", flush=True)
+    dist.broadcast_object_list(failed)  # rank 0's verdict: every rank exits with it
+    dist.destroy_process_group()
+    sys.exit(1 if failed[0] else 0)
+
+
+def row_time(cfg: Config, corpus: CorpusInfo, run_dir: Path, world: int, gbs: int, few: int, device, row) -> None:
+    """The pure data-parallel step time against a plain single-device loop at the same per-device batch."""
     per_device = gbs // world
     times = [None]
-    if rank == 0:
+    if dist.get_rank() == 0:
         times = [plain_losses(cfg, corpus, per_device, few + 5, device)[1]]
     dist.broadcast_object_list(times)
     w = Worker(cfg, run_dir, Strategy(world, 1, 1, per_device, gbs), 1, device)
@@ -207,17 +248,6 @@ def main() -> None:
         "<= 1.10",
         step / times[0] <= 1.1,
     )
-
-    if rank == 0:
-        mode = "CPU smoke (gloo; figures say nothing about GPUs)" if args.cpu else f"{torch.cuda.get_device_name()}"
-        print(f"\ncona GPU checks: {world} ranks, {mode}")
-        print(f"{'check':<26} {'layout':<52} {'value':>10}  {'target':<11} ok")
-        for r in rows:
-            ok = "yes" if r["ok"] else "NO"
-            print(f"{r['check']:<26} {r['layout']:<52} {r['value']:>10.4g}  {r['target']:<11} {ok}")
-        if args.out:
-            args.out.write_text(json.dumps(rows, indent=1))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
