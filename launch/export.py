@@ -8,8 +8,10 @@ storage, and DCP reads every shard of every rank into its full tensors. Two form
 - `hf`: a Hugging Face model folder (`config.json`, `model.safetensors`) through the family's
   `HFExport` mapping.
 
-Both get the run's tokenizer: `tokenizer.json` (the BPE of the corpus cache, or an equivalent
-byte-level one for `tokenizer: byte`) and `tokenizer_config.json` naming its special tokens.
+Both get the run's tokenizer, the one the corpus was tokenized with: `tokenizer.json` from the corpus
+cache (the trained BPE, the byte-level one, or the `data.tokenizer` PATH's; an equivalent byte-level
+one for a synthetic `tokenizer: byte` corpus) and `tokenizer_config.json` (a tokenizer folder's own,
+else one naming its special tokens). Pre-tokenized data without `data.tokenizer` has none to write.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from cona_cli.config import ModelConfig
+from launch.data.tokenize import byte_tokenizer
 from launch.models import get_spec
 from launch.models.spec import HFExport
 
@@ -64,35 +66,14 @@ def consolidated_state(ckpt: Path, m: ModelConfig, vocab_size: int) -> dict[str,
     return state["model"]
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for every byte (what a byte-level BPE's vocabulary spells)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
-def byte_tokenizer(special_tokens: tuple[str, ...]) -> Tokenizer:
-    """The `tokenizer: byte` encoding as a tokenizers JSON: token id = the UTF-8 byte, no merges; the
-    family's special tokens take ids 256, 257, ... as in the corpus."""
-    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(special_tokens))
-    return tok
-
-
 def write_tokenizer(
-    tokenizer_path: str | None, special_tokens: tuple[str, ...], seq_len: int, out: Path
+    tokenizer_path: str | None, special_tokens: tuple[str, ...], seq_len: int, out: Path, pretokenized: bool = False
 ) -> dict[str, int]:
     """tokenizer.json (copied, or the byte-level one when `tokenizer_path` is None) and
-    tokenizer_config.json; returns the ids of its special tokens by role (`bos_token_id`, ...)."""
+    tokenizer_config.json; returns the ids of its special tokens by role (`bos_token_id`, ...).
+    `pretokenized` without a tokenizer: writes nothing."""
+    if tokenizer_path is None and pretokenized:
+        return {}
     if tokenizer_path is None:
         byte_tokenizer(special_tokens).save(str(out / "tokenizer.json"))
     else:
@@ -100,14 +81,21 @@ def write_tokenizer(
             raise ExportError(f"{tokenizer_path}: the run's tokenizer is missing (corpus cache removed?)")
         shutil.copyfile(tokenizer_path, out / "tokenizer.json")
     added = json.loads((out / "tokenizer.json").read_text()).get("added_tokens") or []
-    roles: dict[str, str] = {}
-    ids: dict[str, int] = {}
-    for token in added:
-        for role in SPECIAL_ROLES.get(token["content"], ()) if token.get("special") else ():
-            roles[role], ids[f"{role}_id"] = token["content"], token["id"]
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len, **roles}
+    by_text = {t["content"]: t["id"] for t in added}
+    own = Path(tokenizer_path).with_name("tokenizer_config.json") if tokenizer_path else None
+    if own is not None and own.is_file():  # a tokenizer folder's own roles (data.tokenizer: FOLDER)
+        config = json.loads(own.read_text())
+        roles = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        config.pop("auto_map", None)
+        config.update(tokenizer_class="PreTrainedTokenizerFast", model_max_length=seq_len)
+    else:
+        roles = {}
+        for token in added:
+            for role in SPECIAL_ROLES.get(token["content"], ()) if token.get("special") else ():
+                roles[role] = token["content"]
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len, **roles}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return ids
+    return {f"{role}_id": by_text[text] for role, text in roles.items() if text in by_text}
 
 
 def write_torch(state: dict[str, torch.Tensor], m: ModelConfig, vocab_size: int, step: int, out: Path) -> None:
@@ -142,12 +130,20 @@ def write_hf(
 
 
 def export(
-    ckpt: Path, m: ModelConfig, vocab_size: int, tokenizer_path: str | None, step: int, fmt: str, out: Path
+    ckpt: Path,
+    m: ModelConfig,
+    vocab_size: int,
+    tokenizer_path: str | None,
+    step: int,
+    fmt: str,
+    out: Path,
+    pretokenized: bool = False,
 ) -> None:
-    """Write checkpoint `ckpt` in format `fmt` (hf or torch) into the existing empty folder `out`."""
+    """Write checkpoint `ckpt` in format `fmt` (hf or torch) into the existing empty folder `out`.
+    `vocab_size` is the tokenizer's; the model's embedding holds `padded_vocab(vocab_size)` rows."""
     hf = hf_mapping(m.family) if fmt == "hf" else None
     state = consolidated_state(ckpt, m, vocab_size)
-    token_ids = write_tokenizer(tokenizer_path, get_spec(m.family).special_tokens, m.seq_len, out)
+    token_ids = write_tokenizer(tokenizer_path, get_spec(m.family).special_tokens, m.seq_len, out, pretokenized)
     if hf is not None:
         write_hf(hf, state, m, vocab_size, token_ids, out)
     else:

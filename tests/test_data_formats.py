@@ -167,6 +167,8 @@ def test_npy_split_in_chunks(tmp_path: Path) -> None:
 @pytest.mark.filterwarnings("ignore")  # megatron-core: "Transformer Engine and Apex are not installed"
 def test_megatron_indexed_dataset(tmp_path: Path) -> None:
     import torch
+
+    pytest.importorskip("megatron.core")
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     def build(prefix: Path, docs: list[list[int]]) -> None:

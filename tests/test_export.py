@@ -5,6 +5,7 @@ writes nothing. (Resharding between layouts is tests/test_layouts.py's.)"""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -128,3 +129,65 @@ def test_export_refuses_and_writes_nothing(trained: Callable[[str], Path], tmp_p
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "full"]
     assert [p.name for p in full.iterdir()] == ["x"]
+
+
+WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw"
+
+
+@pytest.mark.skipif(not WIKITEXT.is_dir(), reason="WikiText-2 not available")
+@pytest.mark.filterwarnings("ignore:torch.distributed is unavailable")
+def test_tokenizer_json_above_65535_trains_and_exports(tmp_path: Path) -> None:
+    """`cona train` on (the first 400 kB of) WikiText-2 with a tokenizer.json of 66003 ids whose high ids
+    occur in the data; `cona export` gives transformers that tokenizer, and its perplexity on the run's
+    evaluation windows is the run's own."""
+    import numpy as np
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    data = tmp_path / "wiki"
+    data.mkdir()
+    for name in ("train.txt", "valid.txt"):
+        (data / name).write_text((WIKITEXT / name).read_text()[:400_000])
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator((data / "train.txt").read_text().splitlines(), trainer)
+    tok.add_tokens([f"<unused{i}>" for i in range(65_000)] + [" the", " of"])  # ids 66000, 66001
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+
+    seq = TINY["model"]["seq_len"]
+    doc = {
+        **TINY,
+        "model": {**TINY["model"], "family": "llama"},
+        "data": {"path": str(data), "tokenizer": str(tmp_path / "tokenizer.json")},
+        "cluster": {"procs_per_node": 2},
+        "strategy": "dp2-tp1-pp1-mbs2-gbs8",
+        "train": {**TINY["train"], "max_steps": 3, "eval_interval": 3, "eval_tokens": 16 * seq},
+    }
+    run = tmp_path / "run"
+    proc = _cona("train", str(write_config(tmp_path / "c.yaml", doc)), "--run-dir", str(run), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    corpus = json.loads((run / "corpus.json").read_text())
+    assert corpus["vocab_size"] == 66_003 and corpus["eos_id"] == 66_002
+    valid = np.load(corpus["valid_path"])
+    assert valid.dtype == np.uint32 and {66_000, 66_001} <= set(valid[: 16 * seq + 1].tolist())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    ppl = next(r["val_ppl"] for r in rows if r["kind"] == "eval" and r["step"] == 3)
+
+    proc = _cona("export", str(run), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path / "hf")
+    text = (data / "valid.txt").read_text()[:2000]
+    assert hf_tok(text)["input_ids"] == tok.encode(text).ids and hf_tok.eos_token == "<|endoftext|>"
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    assert model.config.vocab_size == 66_048  # padded to a multiple of 128
+    windows = torch.from_numpy(valid[: 16 * seq + 1].astype(np.int64))
+    x = torch.stack([windows[k * seq : (k + 1) * seq] for k in range(16)])
+    y = torch.stack([windows[k * seq + 1 : (k + 1) * seq + 1] for k in range(16)])
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+    assert abs(math.exp(loss.item()) / ppl - 1) < 0.05, (math.exp(loss.item()), ppl)

@@ -67,10 +67,12 @@ def export_command(
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
             tmp.chmod(0o755)  # mkdtemp makes it private
-            export(ckpt, cfg.model, int(corpus["vocab_size"]), corpus.get("tokenizer_path"), written, fmt, tmp)
+            tokenizer, pretokenized = corpus.get("tokenizer_path"), bool(corpus.get("pretokenized"))
+            export(ckpt, cfg.model, int(corpus["vocab_size"]), tokenizer, written, fmt, tmp, pretokenized)
             os.replace(tmp, out)  # onto nothing, or an empty folder
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except (ValueError, KeyError, OSError) as e:  # ConfigError and ExportError are ValueErrors
         raise fail("cona export", str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    typer.echo(f"cona export: wrote {out} ({fmt}, step {written} of {run_dir})", err=True)
+    note = "" if tokenizer or not pretokenized else "; no tokenizer: the run's data was pre-tokenized"
+    typer.echo(f"cona export: wrote {out} ({fmt}, step {written} of {run_dir}{note})", err=True)

@@ -71,6 +71,7 @@ class CorpusInfo:
     n_valid_tokens: int
     key: str
     eos_id: int | None = None
+    pretokenized: bool = False  # token ids given (bin, npy, megatron, hf input_ids), no tokenizer of their own
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -194,7 +195,8 @@ def _build(
         "corpus %s (%s): %d + %d tokens (%s) in %.1fs",
         data.path, src.format, n_train, n_valid, dtype.name, time.perf_counter() - t0,
     )  # fmt: skip
-    return {"vocab_size": vocab, "n_train_tokens": n_train, "n_valid_tokens": n_valid, "eos_id": eos}
+    meta = {"vocab_size": vocab, "n_train_tokens": n_train, "n_valid_tokens": n_valid, "eos_id": eos}
+    return {**meta, "pretokenized": tok is None}
 
 
 def _write_text(
@@ -305,6 +307,7 @@ def _cached(out: Path, key: str, build: Callable[[Path], dict[str, int | None]])
         n_valid_tokens=meta["n_valid_tokens"],
         key=key,
         eos_id=meta.get("eos_id"),
+        pretokenized=meta.get("pretokenized", False),
     )
 
 

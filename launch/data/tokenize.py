@@ -144,7 +144,7 @@ def load(spec: str, special_tokens: tuple[str, ...]) -> TextTokenizer:
         try:
             from transformers import AutoTokenizer
         except ImportError:
-            raise DataError(f"{where}: a tokenizer folder needs transformers (pip install transformers)") from None
+            raise DataError(f"{where}: a tokenizer folder needs transformers (pip install 'cona[hf]')") from None
         try:
             hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:
