@@ -29,7 +29,7 @@ from cona_cli.config import config_from_json
 from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy
 from launch import worker
-from launch.data import CorpusInfo
+from launch.data.corpus import CorpusInfo
 from launch.device import init_distributed, placement
 from launch.layout import Layout, prepare_layout
 

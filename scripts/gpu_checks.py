@@ -38,7 +38,8 @@ from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.memory import memory_bytes
 from cona_cli.planner.workload import Workload
 from cona_cli.strategy import Strategy
-from launch.data import CorpusInfo, TokenStream, prepare_corpus
+from launch.data.corpus import CorpusInfo, prepare_corpus
+from launch.data.sampling import TokenStream
 from launch.device import init_distributed, reset_peak_memory, synchronize
 from launch.lr import learning_rate
 from launch.materialise import build_model

@@ -20,7 +20,7 @@ def _cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyP
 @pytest.fixture
 def tiny_run_dir(tmp_path: Path) -> Path:
     """A run folder with the resolved tiny config and its prepared corpus, as the controller leaves it."""
-    from launch.data import prepare_corpus
+    from launch.data.corpus import prepare_corpus
 
     cfg = config_from_dict(TINY, "tiny")
     (tmp_path / "config.resolved.json").write_text(json.dumps(cfg.to_raw()))

@@ -135,13 +135,15 @@ def test_workers_import_only_the_shared_modules_of_the_controller_side() -> None
 
 
 def test_the_registry_serves_every_family_the_config_accepts() -> None:
-    from cona_cli.config import MODEL_FAMILIES
-    from launch.models import FAMILY_MODULES, SHAPES, get_spec
+    from cona_cli.config import MODEL_FAMILIES, ModelConfig
+    from launch.models import FAMILY_MODULES, SHAPES, get_spec, model_shape
 
     assert set(FAMILY_MODULES) == set(SHAPES) == set(MODEL_FAMILIES)
     for family in MODEL_FAMILIES:
         spec = get_spec(family)
-        assert spec.family == family and spec.shape is SHAPES[family]
+        m = ModelConfig(n_layers=2, d_model=32, n_heads=4, ffn=64, seq_len=16, family=family)
+        # The engine's shape is the planner's, both with the vocabulary padded to a multiple of 128.
+        assert spec.family == family and spec.shape(m, 300) == model_shape(m, 300) == SHAPES[family](m, 384)
 
 
 def test_a_built_wheel_carries_the_hardware_profiles(tmp_path: Path) -> None:

@@ -11,8 +11,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from cona_cli.config import ConfigError, DataConfig, config_from_dict
-from launch.data import DataError, TokenStream, prepare_corpus
-from launch.data.sources import FLAT_DOC_TOKENS
+from launch.data.corpus import prepare_corpus
+from launch.data.sampling import TokenStream
+from launch.data.sources import FLAT_DOC_TOKENS, DataError
 from launch.models import padded_vocab
 
 EOS = 256  # `byte` with a causal family: GPT-2's <|endoftext|> after the 256 bytes

@@ -396,7 +396,7 @@ def test_the_worker_resets_peaks_after_its_first_step_and_after_a_resize(
     tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from launch import worker as worker_module
-    from launch.data import prepare_corpus
+    from launch.data.corpus import prepare_corpus
 
     doc = {**copy.deepcopy(TINY), "cluster": {"procs_per_node": 1}, "strategy": "dp1-tp1-pp1-mbs2-gbs4"}
     doc["train"] = {**doc["train"], "eval_interval": None, "gns": False}

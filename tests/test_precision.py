@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from cona_cli.config import config_from_dict
-    from launch.data import prepare_corpus
+    from launch.data.corpus import prepare_corpus
 
     run_dir = tmp_path_factory.mktemp("precision")
     cfg = config_from_dict(TINY, "tiny")

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cona_cli.config import Config, config_from_json
-from launch.data import CorpusInfo
+from launch.data.corpus import CorpusInfo
 
 
 def start() -> tuple[Path, Path, Config, CorpusInfo]:
