@@ -39,10 +39,6 @@ def _fraction(v: Any) -> str | None:
     return None if 0 <= v < 1 else "must be in [0, 1)"
 
 
-def _kappa(v: Any) -> str | None:
-    return None if v == "auto" or (not isinstance(v, str) and v > 0) else "must be auto or a number > 0"
-
-
 def _one_of(*choices: str) -> Check:
     return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
 
@@ -232,8 +228,9 @@ class TrainConfig:
     schedule: str = _f("cosine", _one_of("constant", "cosine", "linear"))
     warmup_tokens: int = _f(0, _non_negative)
     decay_tokens: int | None = _f(None, _positive)
-    lr_scaling: str = _f("sqrt", _one_of("sqrt", "linear", "adascale", "none"))
-    lr_base_gbs: int | None = _f(None, _positive)
+    # adascale: lr·r^½ and the schedule on the progress clock Σ r (launch.lr); sqrt/linear/none: on tokens
+    lr_scaling: str = _f("adascale", _one_of("adascale", "sqrt", "linear", "none"))
+    lr_base_gbs: int | None = _f(None, _positive)  # the batch lr was tuned at (default: the ladder's lowest rung)
     weight_decay: float = _f(0.1, _non_negative)
     beta1: float = _f(0.9, _fraction)
     beta2: float = _f(0.95, _fraction)
@@ -246,6 +243,9 @@ class TrainConfig:
     max_tokens: int | None = _f(None, _positive)
     max_time: float | None = _f(None, _positive)
     target_ppl: float | None = _f(None, lambda v: None if v > 1 else "must be > 1")
+    # policy ramp: Megatron's --rampup-batch-size START INCREMENT SAMPLES (the batch grows from START by
+    # INCREMENT over SAMPLES consumed samples, up to the strategy's global batch)
+    rampup_batch_size: list[int] | None = _f(None, _positive)
     checkpoint_keep: int = _f(2, _positive)
     checkpoint_interval: int | None = _f(None, _positive)  # steps between periodic checkpoints
     checkpoint_interval_s: float | None = _f(None, _positive)  # seconds between periodic checkpoints
@@ -278,18 +278,16 @@ class SearchConfig:
     seed: int = _f(0, _non_negative)
     n_initial: int = _f(6, _positive)
     ei_stop: float = _f(1e-4, _fraction)
-    # online controller (policy: cona)
-    margin: float = _f(0.05, _non_negative)  # Φ ratio must exceed 1 + margin
-    horizon_s: float = _f(120.0, _positive)  # a switch must pay back its cost within this time
+    # online controller (policy: cona; `control.switch_rule`)
+    confidence: float = _f(
+        0.99, lambda v: None if 0.5 <= v < 1 else "must be in [0.5, 1)"
+    )  # of the Φ ratio's lower bound
     switch_cost_s: float = _f(5.0, _non_negative)  # initial estimate of a cold relaunch, replaced by measured ones
     warm_switch_cost_s: float = _f(2.0, _non_negative)  # the same for a hand-over to a ready standby
     in_place: bool = _f(True)  # switches that keep dp, tp and pp (pp = 1) resize the running job, no relaunch
-    remeasure_s: float = _f(60.0, _non_negative)  # forget times of an in-place rung not run this long (0: keep)
     decision_every: int = _f(5, _positive)  # steps between decisions
-    min_steps: int = _f(5, _positive)  # timed steps of a strategy before deciding
-    optimism: float = _f(1.0, _non_negative)  # stds taken off the predicted T of strategies never run
-    lookahead: int = _f(1, _positive)  # rungs above the current one that compete (1: the paper's rule)
-    kappa: float | str = _f("auto", _kappa)  # Φ_κ's multiplier on GNS: a number, or auto (fitted, 1 if unsure)
+    min_steps: int = _f(10, _positive)  # timed steps of the running strategy before it is reconsidered (dwell)
+    kappa: float = _f(1.0, _positive)  # Φ's multiplier on the GNS: 1 is the surrogate as derived; an override only
 
 
 @dataclass(frozen=True)
@@ -335,7 +333,7 @@ _SECTIONS = {
     "search": SearchConfig,
 }
 _TOP_KEYS = set(_SECTIONS) | {"strategy", "chain", "policy"}
-POLICIES = ("cona", "static", "chain")
+POLICIES = ("cona", "static", "chain", "ramp")
 
 
 def type_ok(value: Any, hint: Any) -> bool:
@@ -492,6 +490,10 @@ def cross_field_problem(cfg: Config) -> str | None:
         return f"search.gbs_max: {s.gbs_max} is below {below} (the ladder's lowest rung)"
     if s.n_initial > s.budget:
         return f"search.n_initial: {s.n_initial} initial points exceed search.budget {s.budget}"
+    if t.rampup_batch_size is not None and len(t.rampup_batch_size) != 3:
+        return "train.rampup_batch_size: must be [START, INCREMENT, SAMPLES] (Megatron's --rampup-batch-size)"
+    if cfg.policy == "ramp" and t.rampup_batch_size is None:
+        return "policy: ramp needs train.rampup_batch_size [START, INCREMENT, SAMPLES]"
     return None
 
 
@@ -507,8 +509,8 @@ def validate_strategies(cfg: Config) -> None:
             raise ConfigError(f"chain[{i}] {stage.strategy}: {problems[0]}")
     if cfg.policy == "chain" and not cfg.chain:
         raise ConfigError("policy: chain needs a chain (in the YAML or --chain FILE)")
-    if cfg.policy == "static" and cfg.strategy is None and not cfg.auto_strategy:
-        raise ConfigError("policy: static needs a strategy (in the YAML, `auto`, or --strategy)")
+    if cfg.policy in ("static", "ramp") and cfg.strategy is None and not cfg.auto_strategy:
+        raise ConfigError(f"policy: {cfg.policy} needs a strategy (in the YAML, `auto`, or --strategy)")
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -59,3 +59,20 @@ class NoiseScale:
 
     def state_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+def pooled_noise_scale(grad_sq: list[float], trace: list[float]) -> tuple[float, float] | None:
+    """GNS from several steps' raw estimates, mean(tr Σ) / mean(|G|²), and the standard deviation of its
+    log (delta method over the steps' spread and covariance); None with fewer than 3 steps or a mean
+    that is not positive yet."""
+    n = len(grad_sq)
+    if n < 3:
+        return None
+    g_mean, t_mean = sum(grad_sq) / n, sum(trace) / n
+    if g_mean <= 0 or t_mean <= 0:
+        return None
+    var_g = sum((g - g_mean) ** 2 for g in grad_sq) / (n - 1)
+    var_t = sum((t - t_mean) ** 2 for t in trace) / (n - 1)
+    cov = sum((g - g_mean) * (t - t_mean) for g, t in zip(grad_sq, trace)) / (n - 1)
+    rel_var = (var_t / t_mean**2 + var_g / g_mean**2 - 2 * cov / (t_mean * g_mean)) / n
+    return t_mean / g_mean, math.sqrt(max(rel_var, 0.0))

@@ -1,14 +1,20 @@
-"""Whole-model gradient norms under any layout, and the small-batch norms of the GNS estimator.
+"""Whole-model gradient norms under any layout, and the norms of the GNS estimator's two batches.
 
 Every quantity here is this rank's *share*: summed over all ranks (one all-reduce, batched with the
 step's other scalars) it covers the whole model exactly once, whatever dp/tp/pp layout holds it
 (the clip_grad_norm_ traps under TP and PP avoided). Shares are 0-d float64 tensors on the gradients'
 device: reading them is left to the step's one host sync.
+
+The noise scale is measured on Adam-preconditioned gradients, P g with P = 1 / (√v̂ + ε) elementwise
+(v̂ the bias-corrected second moment after the previous step; AdaptDL's AdamGradientNoiseScale): the
+noise scale of the updates Adam takes, which is what sets the batch it can use. P is the same for both
+batches of a step, so the two-batch estimator stays unbiased for |P G|² and tr(P Σ P).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -19,11 +25,6 @@ def _sq(tensors: list[torch.Tensor]) -> torch.Tensor | float:
     if not tensors:
         return 0.0
     return torch.stack(torch._foreach_norm(tensors)).double().pow(2).sum()
-
-
-def _dot(g: torch.Tensor) -> torch.Tensor:
-    flat = local_tensor(g).reshape(-1)
-    return torch.dot(flat, flat)
 
 
 def local_grad_sq(pm: ParallelModel) -> torch.Tensor | float:
@@ -38,24 +39,47 @@ def scale_grads(pm: ParallelModel, factor: float) -> None:
         torch._foreach_mul_(grads, factor)
 
 
-class SmallBatchNorms:
-    """Squared gradient norms of the GNS estimator's small batches, measured during the step.
+class Preconditioner:
+    """Adam's elementwise 1 / (√v̂ + ε), read from the optimizer's state when it is applied (no copy of
+    v̂ is kept: one parameter's temporary at a time)."""
 
-    dp > 1: the small batches are the replicas' batches (gbs/dp samples each); their gradients are
-    each replica's local gradient *before* the data-parallel reduction (read in DDP's communication
-    hook, or just before our own all-reduce). dp = 1: the small batch is the step's first
-    micro-batch (mbs samples), whose gradient is what the first accumulation writes into each
-    `.grad` (read in post-accumulate hooks: one dot product per parameter and step). Summed over
-    ranks and divided by `n_small`, `local_share()` is the mean |G_small|^2. Hooks only queue 0-d
-    tensors, and `local_share()` returns one without reading it.
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+        self.group = {id(p): g for g in opt.param_groups for p in g["params"]}
+
+    @torch.no_grad()
+    def sq(self, p: nn.Parameter, g: torch.Tensor) -> torch.Tensor:
+        """|P g|^2 of the local piece `g` of p's gradient (in p's layout)."""
+        state = self.opt.state[p]
+        group = self.group[id(p)]
+        correction = 1 - group["betas"][1] ** float(state["step"])
+        denom = (local_tensor(state["exp_avg_sq"]) / correction).sqrt_().add_(group["eps"])
+        pg = (local_tensor(g) / denom).reshape(-1)
+        return torch.dot(pg, pg).double()
+
+    def ready(self, pm: ParallelModel) -> bool:
+        """Every parameter has a second moment (the optimizer has stepped)."""
+        return all(p in self.opt.state and "exp_avg_sq" in self.opt.state[p] for p in pm.model.parameters())
+
+
+class NoiseNorms:
+    """The two batches' squared preconditioned gradient norms of the GNS estimator, measured during a step.
+
+    Big batch: the step's (data-parallel reduced) gradient. Small batches: dp > 1, the replicas' batches
+    (gbs/dp samples each), each replica's local gradient *before* the data-parallel reduction (read in
+    DDP's communication hook, or just before our own all-reduce); dp = 1, the step's first micro-batch
+    (mbs samples), whose gradient is what the first accumulation writes into each `.grad` (read in
+    post-accumulate hooks). Summed over ranks, `small_share()` / `n_small` is the mean |P G_small|^2 and
+    `big_share()` is |P G_big|^2. Hooks only queue 0-d tensors; nothing is read on the host here.
     """
 
-    def __init__(self, pm: ParallelModel) -> None:
+    def __init__(self, pm: ParallelModel, opt: torch.optim.Optimizer) -> None:
         self.pm = pm
-        self._share: torch.Tensor | float = 0.0
+        self.precond = Preconditioner(opt)
+        self.active = False  # this step measures (the worker holds the estimator while v̂ settles)
         self._pending: list[torch.Tensor] = []
-        self._tied_first: list[torch.Tensor] = []  # first micro-batch gradients of tied copies (pp > 1)
-        self._hooks: dict[torch.nn.Parameter, torch.utils.hooks.RemovableHandle] = {}
+        self._tied_first: list[tuple[nn.Parameter, torch.Tensor]] = []  # first micro-batch pieces of tied copies
+        self._hooks: dict[nn.Parameter, torch.utils.hooks.RemovableHandle] = {}
         if isinstance(pm.wrapped, DDP):  # DDP is only built with dp > 1
             pm.wrapped.register_comm_hook(pm.wrapped.process_group, self._ddp_hook)
         self.resize()
@@ -71,42 +95,69 @@ class SmallBatchNorms:
         self._first_microbatch = self.available and s.dp == 1
         self._scale = float(s.n_microbatches) ** 2 if self._first_microbatch and s.pp == 1 else 1.0
 
-    def begin_step(self) -> None:
-        self._share = 0.0
+    def begin_step(self, measure: bool) -> None:
+        """`measure`: this step feeds the estimator (needs every parameter's second moment)."""
+        self.active = measure and self.available and self.precond.ready(self.pm)
         self._pending.clear()
         self._tied_first.clear()
-        if self._first_microbatch:  # each hook removes itself after the first micro-batch
+        if self.active and self._first_microbatch:  # each hook removes itself after the first micro-batch
             for p in self.pm.model.parameters():
                 self._hooks[p] = p.register_post_accumulate_grad_hook(self._first_microbatch_hook)
 
     def before_dp_reduce(self) -> None:
         """The step's backward passes are done and our own dp all-reduce (if any) is about to run: read the
         local replica gradients first; sum the tied copies' first micro-batch gradients over the end stages."""
+        if not self.active:
+            return
         if self._tied_first:
-            self.pm.sum_tied(self._tied_first)
+            self.pm.sum_tied([g for _, g in self._tied_first])
             if self.pm.is_first:
-                self._pending += [_dot(g) for g in self._tied_first if counts_here(g, self.pm.coord, ("tp",))]
+                self._pending += [self.precond.sq(p, g) for p, g in self._tied_first if self._counts(g, ("tp",))]
         if self.pm.dp_group is not None:
-            self._share = self._share + _sq(self.pm.counted_grads(("tp",)))
+            self._pending += self._precond_sqs(("tp",))
 
-    def local_share(self) -> torch.Tensor | float:
-        if self._pending:
-            self._share = self._share + torch.stack(self._pending).double().sum() * self._scale
-            self._pending.clear()
-        return self._share
+    def small_share(self) -> torch.Tensor | float:
+        if not self.active or not self._pending:
+            return 0.0
+        share = torch.stack(self._pending).sum() * self._scale
+        self._pending.clear()
+        return share
+
+    def big_share(self) -> torch.Tensor | float:
+        """This rank's share of |P g|^2 of the reduced gradient (after the data-parallel average)."""
+        if not self.active:
+            return 0.0
+        sqs = self._precond_sqs(("dp", "tp"))
+        return torch.stack(sqs).sum() if sqs else 0.0
+
+    def _counts(self, g: torch.Tensor, dims: tuple[str, ...]) -> bool:
+        return counts_here(g, self.pm.coord, dims)
+
+    def _precond_sqs(self, dims: tuple[str, ...]) -> list[torch.Tensor]:
+        """Per-parameter |P g|^2 of the pieces this rank counts along `dims` (gradients in their
+        parameters' layouts, so that each piece lines up with its second moment; tied copies once)."""
+        out = []
+        for p in self.pm.model.parameters():
+            if p.grad is None or self.pm.is_tied_copy(p):
+                continue
+            g = in_param_layout(p, p.grad)
+            if self._counts(g, dims):
+                out.append(self.precond.sq(p, g))
+        return out
 
     def _ddp_hook(self, state, bucket):
         # Unannotated on purpose: DDP checks the annotations' objects, and postponed annotations
         # make them strings it rejects. (state: the process group; returns allreduce's future.)
         # Pure data parallelism (tp = pp = 1): every local gradient is the whole replica's.
-        flat = bucket.buffer()
-        self._pending.append(torch.dot(flat, flat))
+        if self.active:
+            self._pending += [self.precond.sq(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
         return allreduce_hook(state, bucket)
 
     @torch.no_grad()
-    def _first_microbatch_hook(self, p: torch.nn.Parameter) -> None:
+    def _first_microbatch_hook(self, p: nn.Parameter) -> None:
         self._hooks.pop(p).remove()
+        g = in_param_layout(p, p.grad)
         if any(p is t for t in self.pm.tied):  # one end stage's part of the gradient: summed later
-            self._tied_first.append(in_param_layout(p, p.grad).clone())
-        elif counts_here(p.grad, self.pm.coord, ("tp",)):
-            self._pending.append(_dot(p.grad))
+            self._tied_first.append((p, g.clone()))
+        elif self._counts(g, ("tp",)):
+            self._pending.append(self.precond.sq(p, g))

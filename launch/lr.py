@@ -1,7 +1,14 @@
-"""Learning rate as a pure function of tokens consumed and the current global batch.
+"""Learning rate and the progress clock that the schedule follows: pure functions of the run's state.
 
-Warmup and decay are defined in tokens, so the schedule stays consistent when gbs changes; the
-batch-size scaling rule multiplies the peak rate relative to `lr_base_gbs`.
+`train.lr_scaling` picks the recipe; `lr_base_gbs` (b₀) is the batch the config's `lr` was tuned at.
+- adascale (the default): AdaScale's gain ratio in Adam's form. With G the noise scale of the
+  Adam-preconditioned gradients, one step at batch b is worth r = (b/b₀)(b₀ + G)/(b + G) steps at b₀
+  (Johnson et al. 2020). The LR is lr·r^½ (the square-root form for Adam, as AdaptDL's AdamScale), and
+  warmup and decay run on the progress clock, Σ r·b₀ tokens, instead of raw tokens. The loss then
+  follows progress whatever sequence of batches produced it, and progress per second is
+  (b/T)(b₀ + G)/(b + G)/b₀, proportional to Φ = (b/T)/(b + G): the quantity the cona policy ranks
+  strategies by is the one the training follows. Until G is measured, r = 1.
+- sqrt, linear, none: the peak LR times √(b/b₀), b/b₀ or 1; the schedule follows raw tokens.
 """
 
 from __future__ import annotations
@@ -11,33 +18,43 @@ import math
 from cona_cli.config import TrainConfig
 
 
-def batch_scale(rule: str, gbs: int, base_gbs: int, gns: float | None = None) -> float:
-    """Peak-LR multiplier for running at `gbs` when the config's lr was tuned at `base_gbs`.
+def gain(gbs: int, base_gbs: int, gns: float | None) -> float:
+    """r: how many steps at `base_gbs` one step at `gbs` is worth at noise scale `gns` (1 without one)."""
+    if gns is None or not gns > 0:
+        return 1.0
+    return (gbs / base_gbs) * (base_gbs + gns) / (gbs + gns)
 
-    adascale: the AdaScale gain (GNS/b_base + 1) / (GNS/b_new + 1), which tends to linear scaling
-    when gradient noise dominates and to 1 when it does not; without a GNS estimate it is 1.
-    """
-    ratio = gbs / base_gbs
+
+def batch_scale(rule: str, gbs: int, base_gbs: int, gns: float | None = None) -> float:
+    """Peak-LR multiplier for running at `gbs` when the config's lr was tuned at `base_gbs`."""
+    if rule == "adascale":
+        return math.sqrt(gain(gbs, base_gbs, gns))
     if rule == "linear":
-        return ratio
+        return gbs / base_gbs
     if rule == "sqrt":
-        return math.sqrt(ratio)
-    if rule == "adascale" and gns is not None and gns > 0:
-        return (gns / base_gbs + 1) / (gns / gbs + 1)
+        return math.sqrt(gbs / base_gbs)
     return 1.0
 
 
-def schedule_factor(t: TrainConfig, tokens: int) -> float:
-    """Warmup (linear from 0) then constant, cosine or linear decay to min_lr_ratio over decay_tokens."""
-    if t.warmup_tokens and tokens < t.warmup_tokens:
-        return (tokens + 1) / t.warmup_tokens
+def progress_tokens(rule: str, gbs: int, base_gbs: int, gns: float | None, seq_len: int) -> float:
+    """How far one step moves the schedule's clock, in tokens: r·b₀ sequences under adascale, else gbs."""
+    if rule == "adascale":
+        return gain(gbs, base_gbs, gns) * base_gbs * seq_len
+    return float(gbs * seq_len)
+
+
+def schedule_factor(t: TrainConfig, progress: float) -> float:
+    """Warmup (linear from 0) then constant, cosine or linear decay to min_lr_ratio over decay_tokens,
+    all measured on the progress clock (raw tokens unless the recipe is adascale)."""
+    if t.warmup_tokens and progress < t.warmup_tokens:
+        return (progress + 1) / t.warmup_tokens
     if t.schedule == "constant" or not t.decay_tokens:
         return 1.0
-    progress = min(1.0, (tokens - t.warmup_tokens) / t.decay_tokens)
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.schedule == "cosine" else 1 - progress
+    done = min(1.0, (progress - t.warmup_tokens) / t.decay_tokens)
+    shape = 0.5 * (1 + math.cos(math.pi * done)) if t.schedule == "cosine" else 1 - done
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * shape
 
 
-def learning_rate(t: TrainConfig, tokens: int, gbs: int, gns: float | None = None) -> float:
+def learning_rate(t: TrainConfig, progress: float, gbs: int, gns: float | None = None) -> float:
     base = t.lr_base_gbs or gbs
-    return t.lr * batch_scale(t.lr_scaling, gbs, base, gns) * schedule_factor(t, tokens)
+    return t.lr * batch_scale(t.lr_scaling, gbs, base, gns) * schedule_factor(t, progress)

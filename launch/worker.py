@@ -34,7 +34,8 @@ from cona_cli.gns import NoiseScale, two_batch_estimate
 from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, RunDir
 from cona_cli.strategy import Strategy, resizable
 from launch import checkpoint, testhooks
-from launch.data import CorpusInfo, TokenStream, eval_batches, replica_microbatches
+from launch.data.corpus import CorpusInfo
+from launch.data.sampling import TokenStream, eval_batches, replica_microbatches
 from launch.device import (
     DeviceError,
     gpus_wanted,
@@ -47,9 +48,9 @@ from launch.device import (
     synchronize,
     threads_per_rank,
 )
-from launch.gradstats import SmallBatchNorms, local_grad_sq, scale_grads
+from launch.gradstats import NoiseNorms, local_grad_sq, scale_grads
 from launch.layout import Layout, build_layout
-from launch.lr import learning_rate
+from launch.lr import learning_rate, progress_tokens
 from launch.models import get_spec
 from launch.models.spec import IGNORE_INDEX, Batch
 from launch.telemetry_client import TelemetryClient
@@ -67,6 +68,8 @@ class TrainerState:
     last_eval_time: float = 0.0
     last_eval_step: int | None = None
     best_val_ppl: float | None = None
+    progress_tokens: float | None = None  # the LR schedule's clock (`launch.lr`); None: not started
+    gns_from_step: int | None = None  # the GNS estimator is held until this step (Adam's v̂ settles)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -141,8 +144,10 @@ class Worker:
         self.memory_estimate = self.files.memory_estimates().get(str(strategy))  # the planner's, from the controller
         self.timeouts_shortened = False
         self.state = TrainerState()
-        self.small = SmallBatchNorms(self.pm) if t.gns and t.dp_impl == "ddp" else None
+        self.small = NoiseNorms(self.pm, self.opt) if t.gns and t.dp_impl == "ddp" else None
         self.noise = NoiseScale(window=t.gns_window)
+        self.gns_hold = math.ceil(1 / (1 - t.beta2))  # steps for Adam's second moment to describe a new batch
+        self.state.gns_from_step = self.gns_hold  # held at the start, and after each change of batch
         self.ckpt_root = self.files.checkpoints
         self.telemetry = TelemetryClient() if self.rank == 0 else None
         self.had_controller = self.telemetry is not None and self.telemetry.connected
@@ -172,7 +177,12 @@ class Worker:
     def restore(self, path: Path) -> None:
         saved = checkpoint.load(path, self.pm.model, self.opt)
         self.state = TrainerState(**saved["trainer"])
+        if self.state.progress_tokens is None:  # a checkpoint from before the progress clock
+            self.state.progress_tokens = float(self.state.consumed_samples * self.seq_len)
         self.saved = (self.state.step, path)
+        saved_gbs = Strategy.from_mapping(saved["strategy"]).gbs if "strategy" in saved else self.strategy.gbs
+        if saved_gbs != self.strategy.gbs:  # relaunched under another batch: Adam's v̂ describes the old one
+            self.state.gns_from_step = self.state.step + self.gns_hold
         if "gns" in self.state.extra:
             self.noise = NoiseScale(**{**self.state.extra["gns"], "window": self.cfg.train.gns_window})
 
@@ -248,7 +258,10 @@ class Worker:
 
     def train_step(self, want_eval: bool) -> StepOut:
         s, st, t = self.strategy, self.state, self.cfg.train
-        lr = learning_rate(t, st.consumed_samples * self.seq_len, s.gbs, self.noise.gns)
+        if st.progress_tokens is None:
+            st.progress_tokens = 0.0
+        gns = self.noise.gns
+        lr = learning_rate(t, st.progress_tokens, s.gbs, gns)
         for group in self.opt.param_groups:
             group["lr"] = lr
         torch.manual_seed(t.seed * 1_000_003 + st.step * 1009 + self.dp_rank * 31 + self.pp_rank)
@@ -256,7 +269,7 @@ class Worker:
         micro = to_device(micro, self.device)
         self.opt.zero_grad(set_to_none=True)
         if self.small is not None:
-            self.small.begin_step()
+            self.small.begin_step(measure=st.step >= (st.gns_from_step or 0))
         loss_sum = self.pm.forward_backward(micro)
         testhooks.maybe_die(self.run_dir, "step", st.step + 1, self.rank)
         if self.small is not None:
@@ -269,26 +282,30 @@ class Worker:
             command = _STOP_SWITCH if self.switch_requested else _STOP_COMMAND
             stop = command if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
         resize, self.resize_requested = self.resize_requested, None
-        loss_total, grad_sq, small_sq, stop_code, eval_votes, ckpt_votes, new_mbs, new_gbs, *slots = self._reduce(
-            [
-                loss_sum if self._counts_loss() else 0.0,
-                local_grad_sq(self.pm),
-                self.small.local_share() if self.small is not None else 0.0,
-                stop,
-                float(self.rank == 0 and want_eval),
-                float(self.rank == 0 and self.checkpoint_due_by_time()),
-                float(resize.mbs) if resize else 0.0,
-                float(resize.gbs) if resize else 0.0,
-                *self._memory_slots(),
-            ]
+        loss_total, grad_sq, small_sq, big_sq, stop_code, eval_votes, ckpt_votes, new_mbs, new_gbs, *slots = (
+            self._reduce(
+                [
+                    loss_sum if self._counts_loss() else 0.0,
+                    local_grad_sq(self.pm),
+                    self.small.small_share() if self.small is not None else 0.0,
+                    self.small.big_share() if self.small is not None else 0.0,
+                    stop,
+                    float(self.rank == 0 and want_eval),
+                    float(self.rank == 0 and self.checkpoint_due_by_time()),
+                    float(resize.mbs) if resize else 0.0,
+                    float(resize.gbs) if resize else 0.0,
+                    *self._memory_slots(),
+                ]
+            )
         )
-        noise = self._update_noise(small_sq, grad_sq)
+        noise = self._update_noise(small_sq, big_sq)
         grad_norm = math.sqrt(grad_sq)
         if t.grad_clip and grad_norm > t.grad_clip:
             scale_grads(self.pm, t.grad_clip / (grad_norm + 1e-6))
         self.opt.step()
         st.step += 1
         st.consumed_samples += s.gbs
+        st.progress_tokens += progress_tokens(t.lr_scaling, s.gbs, t.lr_base_gbs or s.gbs, gns, self.seq_len)
         stop_reason = {_STOP_COMMAND: "command", _STOP_SWITCH: "command", _STOP_TIME: "max_time"}.get(stop_code)
         self.switch_requested = stop_code == _STOP_SWITCH  # every rank learns it: ends_run() must agree
         out = StepOut(
@@ -312,13 +329,14 @@ class Worker:
         self.strategy = self.pm.strategy = strategy
         if self.small is not None:
             self.small.resize()
+        self.state.gns_from_step = self.state.step + self.gns_hold
         self.__dict__.pop("eval_set", None)
         self.memory_estimate = self.files.memory_estimates().get(str(strategy))
         reset_peak_memory(self.device)  # the new batch's own peak (CUDA; the CPU's peak RSS cannot go down)
 
     def _update_noise(self, small_total: float, big_sq: float) -> dict[str, float]:
         """Feed one step's norms to the GNS estimator; returns the metric fields."""
-        if self.small is None or not self.small.available:
+        if self.small is None or not self.small.active:
             return {}
         raw_g, raw_tr = two_batch_estimate(
             self.small.b_small, small_total / self.small.n_small, self.strategy.gbs, big_sq
@@ -462,6 +480,7 @@ class Worker:
                     "iter_s": iter_s,
                     "tokens_per_s": s.gbs * self.seq_len / iter_s,
                     "consumed_samples": st.consumed_samples,
+                    "progress_tokens": round(st.progress_tokens, 1),
                     "grad_norm": out.grad_norm,
                     "launch": self.launch,
                     "precision": self.cfg.search.precision,

@@ -1,30 +1,31 @@
-"""Benchmark: time to target perplexity of cona against static strategies, over several seeds.
+"""Benchmark: time to target perplexity of cona against static strategies and Megatron's batch ramp.
 
 Runs one config (default: WikiText-2, tiny GPT, 4 gloo ranks), each for the same wall-time budget:
-  cona          policy cona (online chaining)
-  static-auto   the shortest predicted iteration time at search.gbs_static (what offline planners pick)
-  static-<gbs>  the shortest predicted iteration time at every other rung of the ladder
-Seeds run one after another; inside a seed the runs go in a rotated order, so host drift spreads
-evenly over the conditions. After the first seed, `--drop-worst K` drops the K static rungs that
-reached the fewest targets, then the last of them slowest (said so in the output). Prints, per
-target, the median and range over seeds of each run's time to the target (interpolated between
-evaluations), and of cona's speed-up against static-auto and against the best static run of the
-same seed (the best fixed strategy in hindsight), then each seed's speed-ups against its best static
-run. The "hindsight chain" row is the fastest chain of that seed's static runs (the paper's optimum
-sequence, with free switches): the ceiling of what chaining these strategies could gain over them.
+  cona              policy cona (online chaining), the config's LR recipe (`train.lr_scaling`)
+  static-auto       the shortest predicted iteration time at search.gbs_static (what offline planners pick)
+  static-<gbs>      the shortest predicted iteration time at every other rung of the ladder
+  static-...-<rule> the same statics under the other recipe (sqrt when the config's is adascale, else
+                    adascale): the best static is taken over both, so a recipe cannot do cona's winning
+  ramp              Megatron's --rampup-batch-size from the lowest rung, in steps of it, to gbs_static over
+                    the first third of the samples the best static run of that seed processed (run last)
+Seeds run one after another; inside a seed the runs go in a rotated order (the ramp after the statics),
+so host drift spreads evenly over the conditions. After the first seed, `--drop-worst K` drops the K
+static rungs that reached the fewest targets, then the last of them slowest (said so in the output).
+Prints, per target, the median and range over seeds of each run's time to the target (interpolated
+between evaluations), and of cona's speed-up against static-auto, the best static of the same seed
+(the best fixed strategy in hindsight, over both recipes), the best static of each recipe and the
+ramp, then each seed's speed-ups. The "hindsight chain" row is the fastest chain of that seed's static
+runs (the paper's optimum sequence, with free switches): the ceiling of what chaining them could gain.
 
     python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3] [--first-seed N]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
-        [--kappa 3] [--relaunch] [--stale] [--again static-16] [--tabulate]
+        [--relaunch] [--again static-16] [--tabulate]
 
-`--kappa K` adds a `cona-k<K>` run (cona with `search.kappa: K`, e.g. fitted by scripts/fit_kappa.py
-on another seed's static runs; `auto` gives `cona-kauto`); `--relaunch` adds, for every cona run, a
-`<name>-relaunch` run with `search.in_place: false` (every switch relaunches, as before in-place
-resizes); `--stale` adds `<name>-stale` with `search.remeasure_s: 0` (step times of a rung are never
-forgotten, as before); `--again NAME` runs NAME a second time in each seed as `NAME-again` (same
-config, interleaved) and prints their per-seed ratio: how far two identical runs of one seed land apart
-on this host, the floor under any per-seed comparison; `--tabulate` runs nothing and tabulates the run
-folders under --out (e.g. for other targets).
+`--relaunch` adds `cona-relaunch` with `search.in_place: false` (every switch relaunches); `--again NAME`
+runs NAME a second time in each seed as `NAME-again` (same config, interleaved) and prints their per-seed
+ratio: how far two identical runs of one seed land apart on this host, the floor under any per-seed
+comparison; `--tabulate` runs nothing and tabulates the run folders under --out (e.g. for other targets).
+`--data DIR` replaces the config's data.path; a config without one (the synthetic corpus) refuses it.
 """
 
 from __future__ import annotations
@@ -48,39 +49,45 @@ from cona_cli.planner.space import gbs_ladder  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
 
 AGAIN = "-again"  # suffix of the identical reruns made by --again
+RAMP = "ramp"  # Megatron's batch-size ramp (see ramp_variant)
 HINDSIGHT = "hindsight chain"  # the statics' fastest chain in hindsight (see hindsight_chain)
 CONA = [sys.executable, "-c", "from cona_cli.app import main; main()"]
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "wikitext-2-raw"
 
 
-def variants(
-    doc: dict, ladder: list[int], gbs_static: int, kappas: list[str], relaunch: bool, stale: bool = False
-) -> dict[str, dict]:
-    """cona, cona at each fixed κ (each also relaunching if `relaunch`, keeping step times if `stale`),
-    static-auto, and the planner's static pick at every other rung."""
+def other_recipe(doc: dict) -> str:
+    """The LR recipe the statics also run under: sqrt beside the default adascale, else adascale."""
+    return "adascale" if doc.get("train", {}).get("lr_scaling", "adascale") != "adascale" else "sqrt"
+
+
+def variants(doc: dict, ladder: list[int], gbs_static: int, relaunch: bool) -> dict[str, dict]:
+    """cona (and relaunching if `relaunch`), static-auto and the planner's static pick at every other rung,
+    each static also under the other recipe, and the ramp (its samples are set once the statics ran)."""
     search = doc.get("search", {})
+    other = other_recipe(doc)
 
-    def static(gbs: int) -> dict:
-        return {**doc, "policy": "static", "strategy": "auto", "search": {**search, "gbs_static": gbs}}
+    def static(gbs: int, recipe: str | None = None) -> dict:
+        train = doc["train"] if recipe is None else {**doc["train"], "lr_scaling": recipe}
+        return {**doc, "train": train, "policy": "static", "strategy": "auto", "search": {**search, "gbs_static": gbs}}
 
     runs = {"cona": {**doc, "policy": "cona"}}
-    for k in kappas:
-        kappa: str | float = k if k == "auto" else float(k)
-        runs[f"cona-k{kappa:g}" if isinstance(kappa, float) else "cona-kauto"] = {
-            **doc,
-            "policy": "cona",
-            "search": {**search, "kappa": kappa},
-        }
     if relaunch:
-        for name in list(runs):
-            v = runs[name]
-            runs[f"{name}-relaunch"] = {**v, "search": {**v.get("search", {}), "in_place": False}}
-    if stale:
-        for name in [n for n in runs if not n.endswith("-relaunch")]:
-            v = runs[name]
-            runs[f"{name}-stale"] = {**v, "search": {**v.get("search", {}), "remeasure_s": 0}}
-    runs["static-auto"] = static(gbs_static)
-    runs.update({f"static-{g}": static(g) for g in ladder if g != gbs_static})
+        runs["cona-relaunch"] = {**doc, "policy": "cona", "search": {**search, "in_place": False}}
+    for recipe, suffix in ((None, ""), (other, f"-{other}")):
+        runs[f"static-auto{suffix}"] = static(gbs_static, recipe)
+        runs.update({f"static-{g}{suffix}": static(g, recipe) for g in ladder if g != gbs_static})
+    runs[RAMP] = {**doc, "policy": "ramp", "strategy": "auto", "search": {**search, "gbs_static": gbs_static}}
     return runs
+
+
+def ramp_variant(variant: dict, start: int, samples: int) -> dict:
+    """The ramp run with Megatron's [START, INCREMENT, SAMPLES]: from `start` in steps of `start`."""
+    return {**variant, "train": {**variant["train"], "rampup_batch_size": [start, start, max(samples, 1)]}}
+
+
+def total_samples(run_dir: Path) -> int:
+    steps = read_run(run_dir).steps
+    return int(steps[-1].consumed_samples) if steps else 0
 
 
 def is_static(name: str) -> bool:
@@ -172,20 +179,38 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3g} [{min(values):.3g}–{max(values):.3g}]"
 
 
+def baseline(
+    results: dict[str, dict[int, list[float | None]]], label: str, seed: int, j: int, primary: str = "adascale"
+) -> float | None:
+    """The time to target j in `seed` of what `label` names: a run, "best static" (over both recipes) or
+    "best static <rule>" (the statics of that recipe; `primary` is the config's own, unsuffixed)."""
+    if not label.startswith("best static"):
+        return results.get(label, {}).get(seed, [None] * (j + 1))[j]
+    rule = label.removeprefix("best static").strip()
+    statics = [
+        r[seed][j]
+        for n, r in results.items()
+        if is_static(n) and seed in r and (not rule or (recipe_of(n) or primary) == rule)
+    ]
+    return min((t for t in statics if t is not None), default=None)
+
+
+def recipe_of(name: str) -> str:
+    """The recipe suffix of a static run's name ("" for the config's own)."""
+    last = name.rsplit("-", 1)[-1]
+    return last if last in ("adascale", "sqrt") else ""
+
+
 def speedups(
-    results: dict[str, dict[int, list[float | None]]], run: str, label: str, n_targets: int
+    results: dict[str, dict[int, list[float | None]]], run: str, label: str, n_targets: int, primary: str = "adascale"
 ) -> dict[int, list[float | None]]:
-    """Per seed and target, `run`'s speed-up (baseline time / its time) against static-auto or against
-    the best static run of that seed (`label` "best static"); None where either did not reach it."""
+    """Per seed and target, `run`'s speed-up (baseline time / its time) against `label` (see `baseline`);
+    None where either did not reach it."""
     out: dict[int, list[float | None]] = {}
     for seed, run_times in results[run].items():
         row: list[float | None] = []
         for j in range(n_targets):
-            if label == "static-auto":
-                base = results.get("static-auto", {}).get(seed, [None] * n_targets)[j]
-            else:
-                statics = [r[seed][j] for n, r in results.items() if is_static(n) and seed in r]
-                base = min((t for t in statics if t is not None), default=None)
+            base = baseline(results, label, seed, j, primary)
             row.append(base / run_times[j] if base is not None and run_times[j] is not None else None)
         out[seed] = row
     return out
@@ -194,7 +219,7 @@ def speedups(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "wikitext2-gpt-tiny.yaml")
-    ap.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data" / "wikitext-2-raw")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="replaces the config's data.path")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--first-seed", type=int, help="default: the config's train.seed")
     ap.add_argument("--max-time", type=float, default=240.0)
@@ -202,9 +227,7 @@ def main() -> None:
     ap.add_argument("--drop-worst", type=int, default=0, help="static rungs dropped after the first seed")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "ttp")
     ap.add_argument("--only", default="", help="comma-separated subset of the runs")
-    ap.add_argument("--kappa", default="", help="comma-separated κ values (or auto): a cona-k<κ> run for each")
-    ap.add_argument("--relaunch", action="store_true", help="each cona run also with search.in_place: false")
-    ap.add_argument("--stale", action="store_true", help="each cona run also with search.remeasure_s: 0")
+    ap.add_argument("--relaunch", action="store_true", help="cona also with search.in_place: false")
     ap.add_argument("--again", default="", help="comma-separated runs to run twice per seed (NAME-again)")
     ap.add_argument("--tabulate", action="store_true", help="run nothing: tabulate the run folders under --out")
     ap.add_argument("--reuse", action="store_true", help="keep run folders that finished; run only the others")
@@ -213,14 +236,15 @@ def main() -> None:
     doc = yaml.safe_load(args.config.read_text())
     if doc.get("data", {}).get("path"):
         doc["data"] = {**doc["data"], "path": str(args.data.resolve())}
+    elif args.data != DEFAULT_DATA:
+        raise SystemExit(f"--data: {args.config} trains on the synthetic corpus (no data.path) and cannot take it")
     doc["train"] = {**doc["train"], "max_time": args.max_time}
     doc["train"].pop("target_ppl", None)  # run the whole budget: every target gets a time
     for key in ("strategy", "chain", "policy"):
         doc.pop(key, None)
     cfg = load_config(args.config)
     ladder = gbs_ladder(cfg)
-    kappas = [k for k in args.kappa.split(",") if k]
-    runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], kappas, args.relaunch, args.stale)
+    runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], args.relaunch)
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
     for name in [n for n in args.again.split(",") if n]:
@@ -238,12 +262,19 @@ def main() -> None:
                 if finished(args.out / f"s{seed}" / name):
                     results[name][seed] = times(args.out / f"s{seed}" / name, targets)
             continue
-        names = list(runs)
+        names = [n for n in runs if n != RAMP]
         names = names[i % len(names) :] + names[: i % len(names)]  # rotate: drift spreads over conditions
-        for name in names:
+        for name in names + [RAMP] * (RAMP in runs):
             done = args.out / f"s{seed}" / name
+            variant = runs[name]
+            if name == RAMP:  # over the first third of what this seed's best static run processed
+                statics = [n for n in results if is_static(n) and seed in results[n]]
+                if not statics:
+                    raise SystemExit("ramp: needs the static runs of its seed (add them to --only)")
+                best = min(statics, key=lambda n: progress(results[n][seed]))
+                variant = ramp_variant(variant, ladder[0], total_samples(args.out / f"s{seed}" / best) // 3)
             if not (args.reuse and finished(done)):
-                done = run_once(name, runs[name], seed, args.out, args.max_time)
+                done = run_once(name, variant, seed, args.out, args.max_time)
             results[name][seed] = times(done, targets)
         if i == 0 and args.drop_worst:
             statics = [n for n in runs if is_static(n) and n != "static-auto"]
@@ -274,14 +305,17 @@ def main() -> None:
             cells.append(f"{spread(reached)} ({len(reached)}/{len(per_seed)})")
         print(f"| {name} | " + " | ".join(cells) + " |")
     conas = [n for n in results if n.startswith("cona") or n == HINDSIGHT]
+    primary = doc["train"].get("lr_scaling", "adascale")
+    labels = ["static-auto", "best static", f"best static {primary}", f"best static {other_recipe(doc)}"]
+    labels += [RAMP] * (RAMP in results)
     for cona in conas:
-        for label in ("static-auto", "best static"):
-            ups = speedups(results, cona, label, len(targets))
+        for label in labels:
+            ups = speedups(results, cona, label, len(targets), primary)
             cells = [spread([u[j] for u in ups.values() if u[j] is not None]) + "×" for j in range(len(targets))]
             print(f"| {cona} vs {label} | " + " | ".join(cells) + " |")
     print("\nper seed, against the best static of that seed (" + " / ".join(f"ppl {t:g}" for t in targets) + "):")
     for cona in conas:
-        for seed, ups in sorted(speedups(results, cona, "best static", len(targets)).items()):
+        for seed, ups in sorted(speedups(results, cona, "best static", len(targets), primary).items()):
             print(f"  {cona} s{seed}: " + " / ".join("-" if u is None else f"{u:.3g}" for u in ups))
     for again in [n for n in results if n.endswith(AGAIN)]:
         first = again.removesuffix(AGAIN)

@@ -78,7 +78,7 @@ def test_estimator_rejects_degenerate_batches() -> None:
 def _family_run_dir(run_dir: Path, family: str) -> None:
     """Turn the tiny run folder into one of `family` (its model, and its corpus with its special tokens)."""
     from cona_cli.config import config_from_dict
-    from launch.data import prepare_corpus
+    from launch.data.corpus import prepare_corpus
     from launch.models import get_spec
 
     cfg = config_from_dict({**TINY, "model": {**TINY["model"], "family": family, **FAMILY_MODEL[family]}}, "tiny")

@@ -114,16 +114,16 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path: Path) -> None:
 def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
     """policy cona: the controller climbs the batch ladder on its own and stops at the target."""
     target = 7.0
-    # Easy switching for a short test: no margin, a cheap assumed switch, a long payback horizon.
+    # Easy switching for a short test: a cheap assumed switch, a low confidence level, a short dwell.
     search = {
         "gbs_min": 8,
         "gbs_max": 32,
         "mbs": [1, 2, 4, 8],
-        "margin": 0.0,
+        "confidence": 0.5,
         "switch_cost_s": 1.0,
-        "horizon_s": 600,
         "decision_every": 4,
         "min_steps": 4,
+        "kappa": 1000.0,  # the gradient noise dominates: the most samples per second wins
     }
     run = _train_cona(tmp_path, {"max_steps": 400, "target_ppl": target}, search)
     events = _rows(run / "events.jsonl")
@@ -133,7 +133,7 @@ def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
     assert all(s["reason"] == "decision" for s in switches)
     assert switches[0]["to"]["gbs"] > switches[0]["from"]["gbs"]
     chosen = [e for e in events if e["kind"] == "decision" and e["switch"]]
-    assert chosen[0]["candidate"] == switches[0]["to"] and chosen[0]["ratio"] > chosen[0]["needed"]
+    assert chosen[0]["candidate"] == switches[0]["to"] and chosen[0]["score"] > 1.0
     assert "Φ ratio" in chosen[0]["why"] and chosen[0]["gns"] > 0
     reached = next(e for e in events if e["kind"] == "target_reached")
     assert reached["val_ppl"] <= target and reached["wall_time"] > 0
@@ -143,7 +143,9 @@ def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
     boundary = switches[0]["step"]
     before = [r["loss"] for r in steps[boundary - 3 : boundary]]
     assert steps[boundary]["loss"] < max(before) + 0.25
-    assert all(r["gns"] is None or r["gns"] > 0 for r in steps[5:])
+    assert all(r.get("gns") is None or r["gns"] > 0 for r in steps)
+    # The estimator is held while Adam's second moment is young (1 / (1 - beta2) = 20 steps), then measures.
+    assert all("gns" not in r for r in steps[:20]) and any(r.get("gns") for r in steps[20:])
 
 
 def test_online_policy_resizes_in_place_without_a_relaunch_or_standby(tmp_path: Path) -> None:
@@ -155,10 +157,9 @@ def test_online_policy_resizes_in_place_without_a_relaunch_or_standby(tmp_path: 
         "gbs_max": 16,
         "mbs": [2, 4],
         "kappa": 1000.0,  # the gradient noise dominates: the most samples per second wins
-        "margin": 0.0,
+        "confidence": 0.5,
         "switch_cost_s": 1000.0,
         "warm_switch_cost_s": 1000.0,
-        "horizon_s": 600,
         "decision_every": 4,
         "min_steps": 4,
     }

@@ -1,31 +1,41 @@
-"""The online CONA policy: climb the global-batch ladder when the surrogate says it pays.
+"""The online CONA policy: run the strategy with the most progress per second, switching when a
+candidate wins with confidence.
 
-Every `decision_every` steps it compares the running strategy (measured median s/iter) with the
-frontier candidates (the best predicted strategies at the next `lookahead` rungs), with the best
-layout at the same rung and with the rung it climbed from (at that rung's measured speed, which undoes
-a move that did not pay), using Φ_κ at the current smoothed GNS and the learned cost of the switch
-it would take (`switch_rule.decide`): an in-place resize when only the batch changes, else a hand-over
-to a ready standby or a cold relaunch. Moving down is decided by the same rule, never by the GNS trend alone.
-Step times of a strategy the run could resize to are forgotten `search.remeasure_s` after it last ran:
-on a host that drifts they describe another host, and measuring again costs a resize and a few steps.
+What it maximises: Φ(s) = (gbs/T(s)) / (gbs + κ·G), G the noise scale of Adam-preconditioned
+gradients. Under the default recipe (`launch.lr`, adascale) progress per second is proportional to Φ,
+so no correction factor is fitted: κ = 1 unless `search.kappa` overrides it.
+
+What it tolerates: every `decision_every` steps, once the running strategy has `min_steps` timed steps
+of its own (the dwell), each candidate's Φ ratio to it is bounded from below at `search.confidence`
+from the step times' spread and the GNS estimate's standard error (`switch_rule.decide`), and a
+candidate is taken only if that bound pays back its switch within the time the run has left. Among
+those that pass, the one with the most progress over that time wins. The candidates: a better layout
+at the running rung and the best predicted strategy of every higher rung (from the search), and the
+best measured strategy of every lower rung (a retreat). A strategy never run competes at the
+model's step time (the paper's rule: predicted, not profiled); once run, at its own measured times,
+so a prediction that was wrong costs one switch and is undone by a confident retreat. A time
+measured in an earlier visit also carries the host's drift between blocks of the running strategy's
+steps. The first decision, at the first GNS estimate, may go to any rung.
+
 A background thread recalibrates the iteration-time model from the measured step times and reruns
 the search whenever the measurements moved, and after every switch.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
+from collections import deque
+from statistics import NormalDist
 from typing import Any
-
-import numpy as np
 
 from cona_cli.config import Config
 from cona_cli.control.policies import Policy, Stage
-from cona_cli.control.switch_rule import decide
+from cona_cli.control.switch_rule import Decision, Estimate, decide
+from cona_cli.gns import pooled_noise_scale
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import HardwareProfile
-from cona_cli.planner.kappa import Curve, KappaFit, fit_kappa
 from cona_cli.planner.search import Candidate, SearchResult, search_gbs
 from cona_cli.planner.space import enumerate_space, gbs_ladder
 from cona_cli.planner.workload import Workload
@@ -34,6 +44,7 @@ from cona_cli.strategy import Strategy, resizable
 WARMUP_STEPS = 2  # first steps of a launch (pipeline shape inference, allocator) are not timed
 REMEASURE = 0.1  # rerun the search when the running strategy's median moved by this fraction
 SAMPLE_WINDOW = 100  # step times kept per strategy (the controller saves its state every few steps)
+BLOCK = 10  # steps per block of the batch-means error of a step time
 
 
 def fastest_strategy(cfg: Config, hw: HardwareProfile) -> Strategy:
@@ -46,34 +57,53 @@ def fastest_strategy(cfg: Config, hw: HardwareProfile) -> Strategy:
     return best.strategy
 
 
+def time_estimate(times: list[float]) -> Estimate:
+    """Median step time and the standard error of its log, by batch means over blocks of `BLOCK`
+    consecutive steps (slow spells of the host make neighbouring steps alike: the spread of single
+    steps would understate it); with fewer than 3 blocks, from the median absolute deviation."""
+    logs = [math.log(t) for t in times]
+    n = len(logs)
+    blocks = [statistics.fmean(logs[i : i + BLOCK]) for i in range(0, n - BLOCK + 1, BLOCK)]
+    if len(blocks) >= 3:
+        return Estimate(statistics.median(times), statistics.stdev(blocks) / math.sqrt(len(blocks)))
+    mid = statistics.median(logs)
+    mad = statistics.median(abs(v - mid) for v in logs) * 1.4826  # a robust std of one step
+    return Estimate(statistics.median(times), 1.2533 * mad / math.sqrt(n))  # 1.2533: a median's efficiency
+
+
+def drift(times: list[float]) -> float:
+    """How far the host moves the step time between blocks of `BLOCK` steps (log std; 0 with < 3 blocks):
+    the extra error of a step time measured at another moment than the one it is compared with."""
+    logs = [math.log(t) for t in times]
+    blocks = [statistics.fmean(logs[i : i + BLOCK]) for i in range(0, len(logs) - BLOCK + 1, BLOCK)]
+    return statistics.stdev(blocks) if len(blocks) >= 3 else 0.0
+
+
 class ConaPolicy(Policy):
     name = "cona"
 
     def __init__(self, cfg: Config, hw: HardwareProfile) -> None:
         super().__init__()
         self.cfg, self.hw, self.s = cfg, hw, cfg.search
+        self.z = NormalDist().inv_cdf(self.s.confidence)
         self.ladder = gbs_ladder(cfg)
         self.space = enumerate_space(cfg, hw, self.ladder)
         self.out_of_memory: set[Strategy] = set()  # strategies that ran out of memory in this run
         self.workload = Workload.from_config(cfg)
         self.samples: dict[Strategy, list[float]] = {}  # measured s/iter of strategies that ran
-        self.timed_at: dict[Strategy, float] = {}  # run time of each strategy's last timed step
-        self.forgotten: dict[Strategy, float] = {}  # medians of forgotten step times (`_forget_stale`)
         self.switch_costs: list[float] = []  # measured cold relaunches
         self.warm_switch_costs: list[float] = []  # measured hand-overs to a ready standby
         self.resize_costs: list[float] = []  # measured in-place resizes
         self.in_place = self.s.in_place
-        self.previous: list[Strategy] = []  # strategies of the lower rungs we climbed from
+        # Raw two-batch estimates (samples, |G|², tr Σ) of the last `train.gns_window` samples.
+        self.noise: deque[tuple[int, float, float]] = deque()
         self._lock = threading.Lock()
         self._results: dict[int, SearchResult] = {}
         self._searched_for: tuple[Strategy, float] | None = None
         self._thread: threading.Thread | None = None
         self._launch: int | None = None
         self._launch_steps = 0
-        self._launch_timed = 0  # steps of this launch timed into `samples`
-        self._last_gns: float | None = None
-        self.probe: list[tuple[float, float, int, float]] = []  # (samples, val loss, gbs, GNS) per evaluation
-        self.kappa_fit = fit_kappa([])  # no evidence yet: κ 1, the interval every κ
+        self._dwell: list[float] = []  # step times of the running strategy since it started (the last 100)
         self.leading: Strategy | None = None  # the last decision's best candidate
         first = self._search_now(self.ladder[0]).best
         if first is None:
@@ -93,35 +123,25 @@ class ConaPolicy(Policy):
     def _search_now(self, gbs: int) -> SearchResult:
         return search_gbs(self.space, self._calibrated(self.samples), gbs, self.s)
 
-    def _rungs_to_search(self) -> list[int]:
-        i = self.ladder.index(self.current.strategy.gbs)
-        back = self.previous[-1] if self.previous else None
-        below = [back.gbs] if back is not None and back not in self.samples else []  # its times were forgotten
-        return below + self.ladder[i : i + 1 + self.s.lookahead]  # this rung (better layout?) and the frontier
-
     def _maybe_search(self) -> None:
-        """Start a background search if none runs and the calibration data moved enough."""
+        """Search the running rung and every higher one in the background if none runs and the
+        calibration data moved enough."""
         cur = self.current.strategy
-        median = statistics.median(self.samples[cur])
+        median = statistics.median(self._dwell)
         if self._thread is not None and self._thread.is_alive():
             return
         last = self._searched_for
         if last is not None and last[0] == cur and abs(median - last[1]) <= REMEASURE * last[1]:
             return
         self._searched_for = (cur, median)
-        rungs = self._rungs_to_search()
+        rungs = [g for g in self.ladder if g >= cur.gbs]
         snapshot = {s: list(v) for s, v in self.samples.items()}
-        known = {**{s: [t] for s, t in self.forgotten.items()}, **snapshot}
-        forgotten_rungs = {s.gbs for s in self.forgotten}
 
         def run() -> None:
-            # A forgotten strategy's rung is predicted without its times; every other rung with all of
-            # them (forgetting them must not make the model more optimistic about rungs never run).
-            cal = self._calibrated(known)
-            fresh = self._calibrated(snapshot) if forgotten_rungs & set(rungs) else cal
-            results = {g: search_gbs(self.space, fresh if g in forgotten_rungs else cal, g, self.s) for g in rungs}
+            cal = self._calibrated(snapshot)
+            results = {g: search_gbs(self.space, cal, g, self.s) for g in rungs}
             with self._lock:
-                self._results.update(results)
+                self._results = results
 
         self._thread = threading.Thread(target=run, name="cona-search", daemon=True)
         self._thread.start()
@@ -141,29 +161,6 @@ class ConaPolicy(Policy):
     def expected_next(self) -> Strategy | None:
         return self.leading
 
-    def kappa(self) -> float:
-        """Φ_κ's multiplier on the measured GNS: `search.kappa`, or the fit of this run's evidence."""
-        return self.kappa_fit.kappa if self.s.kappa == "auto" else float(self.s.kappa)
-
-    def on_eval(self, row: dict[str, Any]) -> None:
-        """Probe-loss evidence for κ: samples so far, validation loss, the batch and GNS in force."""
-        if self._last_gns is not None and row.get("consumed_samples"):
-            self.probe.append((row["consumed_samples"], row["val_loss"], self.current.strategy.gbs, self._last_gns))
-
-    def refit_kappa(self) -> threading.Thread | None:
-        """Refit κ in the background from this run's evaluations (after a switch: only then do two
-        batch sizes show); a second of least squares stays off the switch's critical path."""
-        if self.s.kappa != "auto" or len(self.probe) < 6:
-            return None
-        samples, loss, gbs, gns = (np.array(col, dtype=float) for col in zip(*self.probe))
-
-        def run() -> None:
-            self.kappa_fit = fit_kappa([Curve(samples, loss, gbs, gns)])
-
-        thread = threading.Thread(target=run, name="cona-kappa", daemon=True)
-        thread.start()
-        return thread
-
     def switch_cost(self, target: Strategy | None = None) -> float:
         """The median of measured switches of the kind a switch to `target` would be now: an in-place
         resize (0 until one was measured), a hand-over to a ready standby (warm) or a cold relaunch
@@ -177,131 +174,98 @@ class ConaPolicy(Policy):
     def observe_switch(self, seconds: float, warm: bool = False) -> None:
         (self.warm_switch_costs if warm else self.switch_costs).append(seconds)
 
+    def gns(self) -> Estimate | None:
+        """The GNS of the recent window and its log standard error (None before enough estimates)."""
+        pooled = pooled_noise_scale([g for _, g, _ in self.noise], [t for _, _, t in self.noise])
+        return None if pooled is None else Estimate(*pooled)
+
+    def _observe_noise(self, row: dict[str, Any]) -> None:
+        if row.get("grad_sq_raw") is None or row.get("trace_raw") is None:
+            return  # the worker holds its estimator (start, resize) or has none under this layout
+        self.noise.append((int(row["gbs"]), float(row["grad_sq_raw"]), float(row["trace_raw"])))
+        window = self.cfg.train.gns_window
+        while sum(n for n, _, _ in self.noise) - self.noise[0][0] >= window:
+            self.noise.popleft()
+
     def on_metric(self, row: dict[str, Any]) -> Stage | None:
         if row.get("launch") != self._launch:
-            self._launch, self._launch_steps, self._launch_timed = row.get("launch"), 0, 0
+            self._launch, self._launch_steps, self._dwell = row.get("launch"), 0, []
         self._launch_steps += 1
+        self._observe_noise(row)
         cur = self.current.strategy
         if self._launch_steps > WARMUP_STEPS and not self.standby_importing:
             times = self.samples.setdefault(cur, [])
             times.append(row["iter_s"])
             del times[:-SAMPLE_WINDOW]  # recent steps only: follows host drift, bounds the saved state
-            self._launch_timed += 1
-            self.forgotten.pop(cur, None)
-            if row.get("time") is not None:
-                self.timed_at[cur] = row["time"]
-        gns = row.get("gns")
-        if gns is not None:
-            self._last_gns = gns
-        # Fresh steps of this launch, not only those of an earlier visit to the strategy: a decision
-        # right after a switch back would otherwise rest on old times alone.
-        if self._launch_timed < self.s.min_steps or self._launch_steps % self.s.decision_every:
+            self._dwell.append(row["iter_s"])
+            del self._dwell[:-SAMPLE_WINDOW]
+        if len(self._dwell) < self.s.min_steps or self._launch_steps % self.s.decision_every:
             return None
-        if row.get("time") is not None:
-            self._forget_stale(row["time"])
         self._maybe_search()
+        gns = self.gns()
         if gns is None:
-            self._log(row, None, "no GNS estimate yet", False)
+            self._log(row, None, None, "no GNS estimate yet")
             return None
         return self._decide(row, gns)
 
-    def _decide(self, row: dict[str, Any], gns: float) -> Stage | None:
+    def time_left(self, row: dict[str, Any], t_step: float) -> float:
+        """Seconds the run still has by its stop rules, at the running strategy's speed; a run that
+        stops only at a target perplexity is expected to need as long again as it has run."""
+        t = self.cfg.train
+        now, gbs = float(row.get("time") or 0.0), self.current.strategy.gbs
+        left = [t.max_time - now] if t.max_time is not None else []
+        if t.max_steps is not None:
+            left.append((t.max_steps - row["step"]) * t_step)
+        if t.max_tokens is not None:
+            left.append((t.max_tokens / self.cfg.model.seq_len - row["consumed_samples"]) / gbs * t_step)
+        return max(min(left), 0.0) if left else now
+
+    def candidates(self) -> list[tuple[str, Strategy, Estimate]]:
+        """(kind, strategy, step time) of everything the running strategy is compared with."""
         cur = self.current.strategy
-        t_cur = statistics.median(self.samples[cur])
         with self._lock:
             results = dict(self._results)
-        i = self.ladder.index(cur.gbs)
-        candidates = []
-        same = results.get(cur.gbs)
-        if same is not None and same.best is not None and same.best.strategy != cur:
-            candidates.append(("same_gbs", same.best))
-        for up, gbs in enumerate(self.ladder[i + 1 : i + 1 + self.s.lookahead], 1):
-            above = results.get(gbs)
-            if above is not None and above.best is not None:
-                candidates.append(("next_gbs" if up == 1 else f"next_gbs+{up - 1}", above.best))
-        if self.previous:  # the rung we came from, at its measured speed: undo a move that did not pay
-            back = self.previous[-1]
-            if back in self.samples:
-                t_back = statistics.median(self.samples[back])
-                candidates.append(("previous_gbs", Candidate(back, t_back, 0.0, 0.0, 0.0)))
-            elif (below := results.get(back.gbs)) is not None and below.best is not None:
-                candidates.append(("previous_gbs", below.best))  # its times were forgotten: predicted
-        if not candidates:
-            self._log(row, None, "no candidate yet (search running or top rung)", False, gns=gns, t_cur=t_cur)
-            return None
-        best = None
-        for kind, cand in candidates:
-            t_cand = self._optimistic_time(cand, t_cur)
-            d = decide(
-                cur.gbs,
-                t_cur,
-                cand.strategy.gbs,
-                t_cand,
-                gns,
-                self.switch_cost(cand.strategy),
-                self.s.horizon_s,
-                self.s.margin,
-                self.kappa(),
-            )
-            if best is None or d.ratio > best[2].ratio:
-                best = (kind, cand, d, t_cand)
-        kind, cand, d, t_cand = best
-        self.leading = cand.strategy
-        self._log(row, cand, d.why, d.switch, gns=gns, t_cur=t_cur, decision=d, candidate_kind=kind, candidate_t=t_cand)
-        if not d.switch:
-            return None
-        return Stage(cand.strategy, None, "decision")
+        moved = drift(self._dwell)
 
-    def _forget_stale(self, now: float) -> None:
-        """Forget the step times of strategies the running one could resize to in place that have not
-        run for `search.remeasure_s` seconds: they compete at their prediction again (with optimism;
-        the model still calibrates on their medians for every other rung), so a rung measured during
-        a slow spell of the host, or in the first steps after a resize, is measured again instead of
-        holding the run off it for good."""
-        if not (self.in_place and self.s.remeasure_s):
-            return
+        def measured(s: Strategy) -> Estimate:  # from an earlier visit: the host may have moved since
+            t = time_estimate(self.samples[s])
+            return Estimate(t.value, math.hypot(t.log_std, moved))
+
+        out: list[tuple[str, Strategy, Estimate]] = []
+        for gbs, result in sorted(results.items()):
+            # The rung's best predicted strategy, and its best one the running job can resize into.
+            picks: list[Candidate] = result.ranked[:1]
+            if self.in_place:
+                picks += [c for c in result.ranked if resizable(cur, c.strategy)][:1]
+            for c in dict.fromkeys(picks):
+                s = c.strategy
+                if s == cur or s in self.out_of_memory:
+                    continue
+                t = measured(s) if s in self.samples else Estimate(c.time_s)  # never run: the model's
+                out.append(("same_gbs" if gbs == cur.gbs else "higher_gbs", s, t))
+        for gbs in (g for g in self.ladder if g < cur.gbs):
+            below = [(measured(s), s) for s, v in self.samples.items() if s.gbs == gbs and v]
+            if below:
+                t, s = min(below, key=lambda m: m[0].value)
+                out.append(("lower_gbs", s, t))
+        return out
+
+    def _decide(self, row: dict[str, Any], gns: Estimate) -> Stage | None:
         cur = self.current.strategy
-        stale = [
-            s
-            for s in self.samples
-            if s != cur and resizable(cur, s) and now - self.timed_at.get(s, now) > self.s.remeasure_s
-        ]
-        for s in stale:
-            self.forgotten[s] = statistics.median(self.samples.pop(s))
-            self.timed_at.pop(s, None)
-        if stale:
-            with self._lock:
-                self._results.clear()  # they held the forgotten medians
-            self._searched_for = None
-
-    def _optimistic_time(self, cand: Candidate, t_cur: float) -> float:
-        """Measured median for a strategy that ran; otherwise optimism in the face of uncertainty:
-        the prediction minus `search.optimism` standard deviations, but never below half the
-        prediction, nor (unless the model itself says so) below the running step's measured time,
-        nor below the measured trend of its layout (`_trend_time`).
-        A wrong guess costs one switch: once measured, the previous rung competes at its real speed."""
-        if cand.strategy in self.samples:
-            return statistics.median(self.samples[cand.strategy])
-        t = max(cand.time_s - self.s.optimism * cand.time_std, 0.5 * cand.time_s, min(cand.time_s, t_cur))
-        trend = self._trend_time(cand.strategy)
-        return t if trend is None else max(t, trend)
-
-    def _trend_time(self, s: Strategy) -> float | None:
-        """The step time of `s` extrapolated from the two measured global batches just below it with
-        the same (dp, tp, pp): T = fixed + gbs * per-sample, a line through their medians. The model
-        fitted to the same two points lets the per-sample cost keep falling with the batch, which on
-        CPUs it does not (gpt-tiny, dp4, static runs: 8 and 16 at 0.153 and 0.247-0.256 s put gbs 32
-        at 0.435-0.46 s on the line, measured 0.431-0.459; the calibrated model said 0.39). Forgotten
-        medians count too: a floor may be stale, an up-probe on optimism alone costs more."""
-        medians = {**self.forgotten, **{m: statistics.median(v) for m, v in self.samples.items() if v}}
-        measured: dict[int, float] = {}
-        for m, t in medians.items():
-            if (m.dp, m.tp, m.pp) == (s.dp, s.tp, s.pp) and m.gbs < s.gbs:
-                measured[m.gbs] = min(t, measured.get(m.gbs, t))  # the best layout at each batch
-        if len(measured) < 2:
+        t_cur = time_estimate(self._dwell)
+        left = self.time_left(row, t_cur.value)
+        decisions: list[tuple[Decision, str, Strategy, Estimate]] = []
+        for kind, s, t in self.candidates():
+            d = decide(cur.gbs, t_cur, s.gbs, t, gns, self.switch_cost(s), left, self.z, self.s.kappa)
+            decisions.append((d, kind, s, t))
+        if not decisions:
+            self._log(row, None, None, "no candidate yet (search running)", gns=gns, t_cur=t_cur)
             return None
-        (g1, t1), (g2, t2) = sorted(measured.items())[-2:]
-        return t2 + (t2 - t1) / (g2 - g1) * (s.gbs - g2)
+        passing = [d for d in decisions if d[0].switch]
+        d, kind, s, t = max(passing or decisions, key=lambda d: d[0].score)  # choose among those that pass
+        self.leading = s
+        self._log(row, s, d, d.why, gns=gns, t_cur=t_cur, kind=kind, left=left, t_cand=t)
+        return Stage(s, None, "decision") if d.switch else None
 
     def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
         if requested is None:
@@ -312,26 +276,21 @@ class ConaPolicy(Policy):
     def resized(self, stage: Stage, seconds: float) -> None:
         self.resize_costs.append(seconds)
         self._moved(stage)
-        self._launch_steps = self._launch_timed = 0  # the first steps under the new batch: as after a launch
+        self._launch_steps, self._dwell = 0, []  # the first steps under the new batch: as after a launch
 
     def _moved(self, stage: Stage) -> None:
-        old = self.current.strategy
-        if stage.strategy.gbs < old.gbs:  # back down (to the rung climbed from, or its best layout)
-            while self.previous and self.previous[-1].gbs >= stage.strategy.gbs:
-                self.previous.pop()
-        elif stage.strategy.gbs > old.gbs:
-            self.previous.append(old)
         self.current = stage
         self.leading = None  # the next standby prepares what the next decision leads with, not this move
-        self.refit_kappa()
         self._searched_for = None  # a new frontier: search again once the new strategy is measured
+        with self._lock:
+            self._results = {}
 
     def infeasible(self, strategy: Strategy) -> Stage | None:
         """Drop a strategy that ran out of memory from the space; continue with the best one left at the
         running rung (None if none is left)."""
         self.out_of_memory.add(strategy)
         self.space = self.space.without(self.out_of_memory, "ran out of memory")
-        self.previous = [p for p in self.previous if p != strategy]
+        self.samples.pop(strategy, None)
         with self._lock:
             self._results.clear()
         self._searched_for = None
@@ -342,19 +301,15 @@ class ConaPolicy(Policy):
         return self.current
 
     def state_dict(self) -> dict[str, Any]:
-        """Ladder position, calibration samples, switch costs and κ evidence (for --resume)."""
+        """Ladder position, calibration samples, switch costs and GNS window (for --resume)."""
         return {
             "current": str(self.current.strategy),
             "reason": self.current.reason,
             "samples": {str(k): v for k, v in self.samples.items()},
-            "timed_at": {str(k): v for k, v in self.timed_at.items()},
-            "forgotten": {str(k): v for k, v in self.forgotten.items()},
             "switch_costs": self.switch_costs,
             "warm_switch_costs": self.warm_switch_costs,
             "resize_costs": self.resize_costs,
-            "previous": [str(p) for p in self.previous],
-            "probe": self.probe,
-            "kappa_fit": vars(self.kappa_fit),
+            "noise": list(self.noise),
             "out_of_memory": sorted(str(s) for s in self.out_of_memory),
         }
 
@@ -363,38 +318,44 @@ class ConaPolicy(Policy):
             return
         self.current = Stage(Strategy.parse(state["current"]), None, state["reason"])
         self.samples = {Strategy.parse(k): list(v) for k, v in state["samples"].items()}
-        self.timed_at = {Strategy.parse(k): float(v) for k, v in state.get("timed_at", {}).items()}
-        self.forgotten = {Strategy.parse(k): float(v) for k, v in state.get("forgotten", {}).items()}
         self.switch_costs = list(state["switch_costs"])
         self.warm_switch_costs = list(state.get("warm_switch_costs", []))
         self.resize_costs = list(state.get("resize_costs", []))
-        self.previous = [Strategy.parse(p) for p in state["previous"]]
-        self.probe = [tuple(p) for p in state.get("probe", [])]
-        if "kappa_fit" in state:
-            self.kappa_fit = KappaFit(**state["kappa_fit"])
+        self.noise = deque(tuple(n) for n in state.get("noise", []))
         self.out_of_memory = {Strategy.parse(s) for s in state.get("out_of_memory", [])}
         self.space = self.space.without(self.out_of_memory, "ran out of memory")
         self._searched_for = None
 
-    def _log(self, row: dict[str, Any], cand: Any, why: str, switch: bool, **extra: Any) -> None:
+    def _log(
+        self,
+        row: dict[str, Any],
+        cand: Strategy | None,
+        d: Decision | None,
+        why: str,
+        gns: Estimate | None = None,
+        t_cur: Estimate | None = None,
+        kind: str | None = None,
+        left: float | None = None,
+        t_cand: Estimate | None = None,
+    ) -> None:
         if self.events is None:
             return
         fields: dict[str, Any] = {
             "step": row["step"],
             "current": self.current.strategy.to_dict(),
-            "switch": switch,
+            "switch": bool(d and d.switch),
             "why": why,
-            "switch_cost_s": round(self.switch_cost(cand.strategy if cand is not None else None), 3),
-            "kappa": round(self.kappa(), 4),
-            "kappa_interval": [round(self.kappa_fit.low, 4), round(self.kappa_fit.high, 4)]
-            if self.s.kappa == "auto"
-            else None,
+            "switch_cost_s": round(self.switch_cost(cand), 3),
+            "kappa": self.s.kappa,
         }
+        if gns is not None:
+            fields.update(gns=gns.value, gns_log_std=round(gns.log_std, 4))
+        if t_cur is not None:
+            fields.update(measured_t=t_cur.value, measured_t_log_std=round(t_cur.log_std, 4))
         if cand is not None:
-            fields.update(candidate=cand.strategy.to_dict(), predicted_t=cand.time_s, predicted_t_std=cand.time_std)
-        d = extra.pop("decision", None)
+            fields.update(candidate=cand.to_dict(), candidate_kind=kind, measured=cand in self.samples)
+        if t_cand is not None:  # `predicted_t`: the step time the candidate was compared at (cona report)
+            fields.update(predicted_t=t_cand.value, predicted_t_log_std=round(t_cand.log_std, 4))
         if d is not None:
-            fields.update(phi_current=d.phi_current, phi_candidate=d.phi_candidate, ratio=d.ratio, needed=d.needed)
-        if "t_cur" in extra:
-            extra["measured_t"] = extra.pop("t_cur")
-        self.events.write("decision", **fields, **extra)
+            fields.update(ratio=d.ratio, ratio_low=d.ratio_low, payback=d.payback, score=d.score, time_left_s=left)
+        self.events.write("decision", **fields)

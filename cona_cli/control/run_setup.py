@@ -11,6 +11,8 @@ from pathlib import Path
 
 from cona_cli.config import Config, ConfigError, config_from_dict, load_config, parse_chain, read_yaml
 from cona_cli.control.policies import ChainPolicy, Policy, StaticPolicy
+from cona_cli.control.ramp_policy import RampPolicy
+from cona_cli.planner.space import gbs_ladder
 from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy, StrategyError
 
@@ -53,24 +55,27 @@ def make_policy(cfg: Config) -> tuple[Config, Policy]:
         policy: Policy = ChainPolicy(cfg.chain)
     elif cfg.policy == "static" and not cfg.auto_strategy:
         policy = StaticPolicy(cfg.strategy)
+    elif cfg.policy == "ramp" and not cfg.auto_strategy:
+        policy = RampPolicy(cfg, cfg.strategy)
     else:
         from cona_cli.control.cona_policy import ConaPolicy, fastest_strategy  # the planner: numpy, skopt
         from cona_cli.planner.hardware import load_hardware
 
         try:
             hw = load_hardware(cfg.search.hardware)
-            if cfg.policy == "static":
+            if cfg.policy in ("static", "ramp"):
                 best = fastest_strategy(cfg, hw)
                 cfg = dataclasses.replace(cfg, strategy=best, auto_strategy=False)
-                policy = StaticPolicy(best)
+                policy = StaticPolicy(best) if cfg.policy == "static" else RampPolicy(cfg, best)
             else:
                 policy = ConaPolicy(cfg, hw)
         except ConfigError:
             raise
         except ValueError as e:
             raise ConfigError(f"{cfg.source}: {e}") from None
-    if cfg.train.lr_base_gbs is None:  # the LR was tuned for the first batch size
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr_base_gbs=policy.first().strategy.gbs))
+    if cfg.train.lr_base_gbs is None:  # the same LR at the same batch under every policy: the lowest rung's
+        base = min(gbs_ladder(cfg)[0], policy.first().strategy.gbs)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr_base_gbs=base))
     return config_from_dict(cfg.to_raw(), cfg.source), policy
 
 
@@ -79,7 +84,8 @@ def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
     run = RunDir(run_dir)
     if run.holds_run():
         raise ConfigError(f"--run-dir: {run_dir} already holds a run; choose a new folder or --resume it")
-    from launch.data import DataError, prepare_corpus  # imports torch: only once the config is valid
+    from launch.data.corpus import prepare_corpus  # imports torch: only once the config is valid
+    from launch.data.sources import DataError
     from launch.models import get_spec
 
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,9 @@
 """Run under torchrun: the GNS inputs summed over TP/PP shards equal a single-process computation.
 
+Both measure Adam-preconditioned gradients, P g with P = 1 / (√(v / (1 - β2^t)) + ε): the optimizer
+state is set by hand to v = θ² + V0 at step t = STEP for every parameter (the same function of the
+same initial weights in both), so the reference computes P from the full weights.
+
 Usage: torchrun --standalone --nproc-per-node W tests/dist/gns_shards.py RUN_DIR OUT_JSON dp-tp-pp[,dp-tp-pp]
 """
 
@@ -13,12 +17,29 @@ import torch.distributed as dist
 
 from cona_cli.gns import two_batch_estimate
 from cona_cli.strategy import Strategy
-from launch.data import CorpusInfo, TokenStream, replica_microbatches
+from launch.data.corpus import CorpusInfo
+from launch.data.sampling import TokenStream, replica_microbatches
 from launch.models import get_spec
 from launch.worker import Worker
 from tests.dist.common import start
 
 MBS, GBS = 2, 16
+STEP, V0 = 7, 1e-3
+
+
+def second_moment(p: torch.Tensor) -> torch.Tensor:
+    """The hand-set Adam second moment (elementwise: a DTensor keeps its parameter's placements)."""
+    return p.detach() ** 2 + V0
+
+
+def set_adam_state(opt: torch.optim.Optimizer) -> None:
+    for group in opt.param_groups:
+        for p in group["params"]:
+            opt.state[p] = {
+                "step": torch.tensor(float(STEP)),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": second_moment(p),
+            }
 
 
 def reference(cfg, corpus: CorpusInfo, s: Strategy) -> tuple[float, float]:
@@ -29,10 +50,13 @@ def reference(cfg, corpus: CorpusInfo, s: Strategy) -> tuple[float, float]:
     model.init_weights(cfg.train.seed)
     stream = TokenStream(corpus.train_path, m.seq_len, cfg.train.seed, spec.batch(corpus.vocab_size))
 
+    beta2, eps = cfg.train.beta2, 1e-8  # AdamW's default eps
+    precond = {n: 1 / ((second_moment(p) / (1 - beta2**STEP)).sqrt() + eps) for n, p in model.named_parameters()}
+
     def grad_sq(x: torch.Tensor, y: torch.Tensor) -> float:
         model.zero_grad()
         spec.loss(model(x), y).backward()
-        return float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+        return float(sum((p.grad * precond[n]).double().pow(2).sum() for n, p in model.named_parameters()))
 
     big = grad_sq(*stream.samples(0, s.gbs))
     if s.dp > 1:
@@ -50,6 +74,8 @@ def main() -> None:
         dp, tp, pp = (int(v) for v in layout.split("-"))
         s = Strategy(dp, tp, pp, MBS, GBS)
         w = Worker(cfg, run_dir, s, launch=1)
+        set_adam_state(w.opt)
+        w.state.gns_from_step = 0  # measure from this step (a worker holds the estimator while v̂ is young)
         noise = w.train_step(False).noise
         ref = reference(cfg, corpus, s)
         results[str(s)] = {

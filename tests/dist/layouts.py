@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from cona_cli.strategy import Strategy
 from launch import checkpoint
-from launch.data import CorpusInfo, TokenStream
+from launch.data.corpus import CorpusInfo
+from launch.data.sampling import TokenStream
 from launch.layout import prepare_layout
 from launch.lr import learning_rate
 from launch.models import get_spec
@@ -119,7 +120,9 @@ def one_rank_cannot_load(w: Worker, path) -> list[str]:
 
 def resize_vs_relaunch(cfg, run_dir, a: Strategy, b: Strategy, i: int) -> dict:
     """Two steps under `a`, the controller's resize to `b` read during the second, two steps under `b`;
-    against a relaunch under `b` from the checkpoint taken right after the resize."""
+    against a relaunch under `b` from the checkpoint taken right after the resize. With β2 = 0.5 the GNS
+    estimator is held for 2 steps at the start and after the resize: both sides measure the 3rd step after."""
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, beta2=0.5))
     wa = Worker(cfg, run_dir, a, launch=1)
     wa.ckpt_root = run_dir / f"resize_{i}"
     wa.train_step(False)
@@ -127,10 +130,10 @@ def resize_vs_relaunch(cfg, run_dir, a: Strategy, b: Strategy, i: int) -> dict:
         wa.resize_requested = b  # what poll_commands sets on a `resize` command
     ran = wa.train_step(False).strategy
     path = wa.save("periodic")
-    in_place = [wa.train_step(False) for _ in range(2)]
+    in_place = [wa.train_step(False) for _ in range(3)]
     wb = Worker(cfg, run_dir, b, launch=2)
     wb.restore(path)
-    relaunched = [wb.train_step(False) for _ in range(2)]
+    relaunched = [wb.train_step(False) for _ in range(3)]
     return {
         "ran": [str(ran), str(in_place[0].strategy)],
         "in_place": [[o.loss, o.grad_norm, o.noise.get("grad_sq_raw"), o.noise.get("trace_raw")] for o in in_place],
