@@ -83,7 +83,7 @@ def main() -> None:
         run_dir = Path(tmp) / "run"
         prepare_run_dir(run_dir, args.config, cfg)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        subprocess.run(
+        proc = subprocess.run(
             [
                 sys.executable,
                 "-m",
@@ -97,9 +97,11 @@ def main() -> None:
                 str(args.steps),
             ],
             env=env,
-            check=True,
             capture_output=True,
+            text=True,
         )
+        if proc.returncode != 0:
+            sys.exit(f"the ranks failed (exit {proc.returncode}):\n{proc.stderr[-5000:]}")
         rows = json.loads((run_dir / "gns_bench.json").read_text())
     print(f"GNS measurement overhead, {args.config.name}, {args.steps} alternating steps per layout (median)")
     print(f"{'layout':<26} {'path':<22} {'off s/it':>9} {'on s/it':>9} {'overhead':>9}  (median paired difference)")

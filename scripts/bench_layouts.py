@@ -6,7 +6,7 @@ of cona's (1,1,1) step time to a minimal plain-PyTorch loop of the same model an
 Writes the measurements to scripts/data/layout_times_cpu.json (the cost model's calibration data).
 
     python scripts/bench_layouts.py [--config configs/tiny.yaml] [--gbs 16,64] [--steps 3] [--rounds 4]
-                                    [--min-seconds 1.0]
+                                    [--min-seconds 1.0] [--mbs 1,2,4,8] [--out FILE]
 
 Run it on a quiet machine: every layout is timed in several rounds of a shuffled order, and the
 median of all its timed steps is recorded.
@@ -34,7 +34,7 @@ from cona_cli.rundir import RunDir  # noqa: E402
 from cona_cli.strategy import Strategy  # noqa: E402
 
 
-def measure_layouts(run_dir: Path, world: int, gbs: str, steps: int, rounds: int, min_s: float) -> dict:
+def measure_layouts(run_dir: Path, world: int, gbs: str, steps: int, rounds: int, min_s: float, mbs: str) -> dict:
     out = run_dir / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [
@@ -50,8 +50,11 @@ def measure_layouts(run_dir: Path, world: int, gbs: str, steps: int, rounds: int
         str(steps),
         str(rounds),
         str(min_s),
+        f"--mbs={mbs}",
     ]
-    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"bench_layouts_ranks.py failed (exit {proc.returncode}):\n{proc.stderr[-5000:]}")
     return json.loads(out.read_text())
 
 
@@ -123,6 +126,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="least timed steps per layout and round")
     ap.add_argument("--min-seconds", type=float, default=1.0, help="least timed seconds per layout and round")
     ap.add_argument("--rounds", type=int, default=4, help="rounds over all layouts, each in a new random order")
+    ap.add_argument("--mbs", default="1,2,4,8", help="comma-separated micro-batch sizes to time")
     ap.add_argument("--out", type=Path, default=REPO / "scripts" / "data" / "layout_times_cpu.json")
     args = ap.parse_args()
     cfg = resolve_config(args.config, None, None, None)
@@ -130,7 +134,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         prepare_run_dir(run_dir, args.config, cfg)
-        res = measure_layouts(run_dir, world, args.gbs, args.steps, args.rounds, args.min_seconds)
+        res = measure_layouts(run_dir, world, args.gbs, args.steps, args.rounds, args.min_seconds, args.mbs)
         rows = [{k: r[k] for k in ("dp", "tp", "pp", "mbs", "gbs", "iter_s", "n", "round_s")} for r in res["rows"]]
         args.out.parent.mkdir(exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))

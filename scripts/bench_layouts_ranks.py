@@ -8,23 +8,23 @@ batches look slower per sample). The time floor gives fast layouts many steps: a
 processes sharing 2 cores jitters by +-30% with the scheduler, a 2 s step averages that out itself.
 
 Usage: torchrun --standalone --nproc-per-node W scripts/bench_layouts_ranks.py \
-    RUN_DIR OUT_JSON GBS[,GBS] STEPS ROUNDS MIN_S
+    RUN_DIR OUT_JSON GBS[,GBS] STEPS ROUNDS MIN_S [--mbs 1,2,4,8]
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import launch.worker as worker_module
+import launch.layout as layout_module
 from cona_cli.config import config_from_json
 from cona_cli.strategy import Strategy
 from launch.worker import Worker
@@ -32,13 +32,13 @@ from launch.worker import Worker
 MAX_MICROBATCHES = 16  # beyond this, tiny micro-batches only measure per-micro-batch overheads
 
 
-def layouts(world: int, cfg, gbs_values: list[int]) -> list[Strategy]:
+def layouts(world: int, cfg, gbs_values: list[int], mbs_values: tuple[int, ...] = (1, 2, 4, 8)) -> list[Strategy]:
     out = []
     for gbs in gbs_values:
         for pp in (p for p in range(1, world + 1) if world % p == 0):
             for tp in (t for t in range(1, world // pp + 1) if (world // pp) % t == 0):
                 dp = world // (pp * tp)
-                for mbs in (1, 2, 4, 8):
+                for mbs in mbs_values:
                     s = Strategy(dp, tp, pp, mbs, gbs)
                     if not cfg.problems(s) and s.n_microbatches <= MAX_MICROBATCHES:
                         out.append(s)
@@ -66,7 +66,7 @@ def share_meshes() -> None:
     """Build each mesh shape once. A launch only ever has one layout's process groups; with the
     groups of 34 other layouts left open (gloo, 283 threads per rank), steps ran 11-39% slower here.
     Destroying them instead breaks later meshes, which resolve cached group names."""
-    build, meshes = worker_module.build_mesh, {}
+    build, meshes = layout_module.build_mesh, {}
 
     def shared(strategy: Strategy, device: str):
         key = (strategy.pp, strategy.dp, strategy.tp, device)
@@ -74,7 +74,7 @@ def share_meshes() -> None:
             meshes[key] = build(strategy, device)
         return meshes[key]
 
-    worker_module.build_mesh = shared
+    layout_module.build_mesh = shared  # what build_layout (each Worker's model and mesh) calls
 
 
 def time_layouts(cfg, run_dir: Path, strategies: list[Strategy], steps: int, rounds: int, min_s: float) -> list[dict]:
@@ -107,14 +107,25 @@ def time_layouts(cfg, run_dir: Path, strategies: list[Strategy], steps: int, rou
 
 
 def main() -> None:
-    run_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
-    gbs_values = [int(g) for g in sys.argv[3].split(",")]
-    steps, rounds, min_s = int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", type=Path, help="a prepared run folder (config.resolved.json, corpus.json)")
+    ap.add_argument("out", type=Path, help="where rank 0 writes the rows and DCP figures (JSON)")
+    ap.add_argument("gbs", help="comma-separated global batch sizes")
+    ap.add_argument("steps", type=int, help="least timed steps per layout and round")
+    ap.add_argument("rounds", type=int, help="rounds over all layouts")
+    ap.add_argument("min_s", type=float, help="least timed seconds per layout and round")
+    ap.add_argument("--mbs", default="1,2,4,8", help="comma-separated micro-batch sizes to time")
+    args = ap.parse_args()
+    run_dir, out = args.run_dir, args.out
+    gbs_values = [int(g) for g in args.gbs.split(",")]
+    steps, rounds, min_s = args.steps, args.rounds, args.min_s
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     cfg = config_from_json((run_dir / "config.resolved.json").read_text(), "bench")
     share_meshes()
-    rows = time_layouts(cfg, run_dir, layouts(dist.get_world_size(), cfg, gbs_values), steps, rounds, min_s)
+    mbs_values = tuple(int(m) for m in args.mbs.split(","))
+    strategies = layouts(dist.get_world_size(), cfg, gbs_values, mbs_values)
+    rows = time_layouts(cfg, run_dir, strategies, steps, rounds, min_s)
     # DCP save under one layout, load under another (resharding), timed.
     w = Worker(cfg, run_dir, Strategy.parse(f"dp{dist.get_world_size()}-tp1-pp1-mbs2-gbs{gbs_values[0]}"), launch=1)
     w.train_step(False)

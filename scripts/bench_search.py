@@ -7,14 +7,18 @@ Usage: .venv/bin/python scripts/bench_search.py
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
+from pathlib import Path
 
 from cona_cli.config import Config, config_from_dict, load_config
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.search import plan
 from cona_cli.planner.workload import Workload
+
+REPO = Path(__file__).resolve().parent.parent
 
 GPT3_6B7 = {
     "model": {"n_layers": 32, "d_model": 4096, "n_heads": 32, "ffn": 16384, "seq_len": 2048},
@@ -55,7 +59,8 @@ def bench(name: str, cfg: Config, gbs: int) -> None:
 
 
 def main() -> None:
-    bench("GPT-3 1.3B, 2x8 A6000 (16 GPUs)", load_config("configs/gpt3-1.3b-a6000.yaml"), 128)
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    bench("GPT-3 1.3B, 2x8 A6000 (16 GPUs)", load_config(REPO / "configs" / "gpt3-1.3b-a6000.yaml"), 128)
     bench("GPT-3 6.7B, 128x8 A100 (1024 GPUs)", config_from_dict(GPT3_6B7, "gpt3-6.7b"), 2048)
     bench("GPT-3 175B, 128x8 A100 (1024 GPUs)", config_from_dict(GPT3_175B, "gpt3-175b"), 1536)
 

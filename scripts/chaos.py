@@ -1,8 +1,9 @@
 """Chaos test: train the tiny config N times, SIGKILL a random worker rank or the controller at a
-random moment (1–2 kills per run; `cona train --resume` after a controller kill), then check that
-every run finished, that each committed checkpoint loads, and how many steps a recovery lost.
+random moment (1 to --max-kills kills per run; `cona train --resume` after a controller kill), then
+check that every run finished, that each committed checkpoint loads, and how many steps a recovery lost.
+Exits 1 if a run failed or a checkpoint was corrupted.
 
-    .venv/bin/python scripts/chaos.py 20 [--seed 0] [--keep]
+    .venv/bin/python scripts/chaos.py 20 [--seed 0] [--steps 30] [--max-kills 2] [--keep]
 
 Saves linger 0.3 s (CONA_TEST_SAVE_DELAY_S) so that some kills land inside a checkpoint save.
 """
@@ -25,19 +26,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from cona_cli.config import config_from_dict  # noqa: E402
 from cona_cli.control import usable_checkpoints as checkpoints  # noqa: E402
 from cona_cli.control.runstate import RunState  # noqa: E402
-from cona_cli.control.usable_checkpoints import expected_shapes  # noqa: E402
+from cona_cli.rundir import RunDir, committed  # noqa: E402
 from tests.support import TINY, write_config  # noqa: E402
 
-STEPS = 30
-DOC = {
-    **TINY,
-    "cluster": {"procs_per_node": 2},
-    "strategy": "dp2-tp1-pp1-mbs2-gbs16",
-    "train": {**TINY["train"], "max_steps": STEPS, "checkpoint_interval": 5, "max_restarts": 5},
-}
+GBS = 16
 ENV = {**os.environ, "CONA_TEST_SAVE_DELAY_S": "0.3"}
+
+
+def config_doc(steps: int) -> dict:
+    """The tiny config on 2 ranks, `steps` steps, a checkpoint every 5."""
+    return {
+        **TINY,
+        "cluster": {"procs_per_node": 2},
+        "strategy": f"dp2-tp1-pp1-mbs2-gbs{GBS}",
+        "train": {**TINY["train"], "max_steps": steps, "checkpoint_interval": 5, "max_restarts": 5},
+    }
 
 
 def cona(*args: str) -> subprocess.Popen:
@@ -66,26 +72,27 @@ def last_step(run: Path) -> int:
 
 
 def worker_pids(run: Path) -> list[int]:
-    """The ranks of the running torchrun job (children of the torchrun process)."""
+    """The ranks of the running job: the agent's grandchildren. The agent (`launch.forkrun`) forks them
+    from its fork server, a child of the agent; its other child is a helper, not a rank."""
     state = RunState.load(run)
     if state is None or not state.agent_pids:
         return []
-    pids = []
+    parent: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[1]) == state.agent_pids[0] and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
+        if fields[0] != "Z":
+            parent[int(stat.parent.name)] = int(fields[1])
+    agent = state.agent_pids[0]
+    return sorted(pid for pid, ppid in parent.items() if parent.get(ppid) == agent)
 
 
 def checkpoint_loads(path: Path, shapes: checkpoints.Shapes, cfg_doc: dict, vocab: int) -> bool:
     """Load the model tensors of a committed checkpoint in this process."""
     import torch.distributed.checkpoint as dcp
 
-    from cona_cli.config import config_from_dict
     from launch.models import get_spec
 
     if checkpoints.problem(path, shapes) is not None:
@@ -99,13 +106,14 @@ def checkpoint_loads(path: Path, shapes: checkpoints.Shapes, cfg_doc: dict, voca
     return True
 
 
-def one_run(tmp: Path, rng: random.Random) -> dict:
+def one_run(tmp: Path, rng: random.Random, steps: int, max_kills: int) -> dict:
     tmp.mkdir(parents=True)
-    cfg = write_config(tmp / "tiny.yaml", DOC)
+    doc = config_doc(steps)
+    cfg = write_config(tmp / "tiny.yaml", doc)
     run = tmp / "run"
     proc = cona("train", str(cfg), "--run-dir", str(run))
     kills = {"worker": 0, "controller": 0}
-    for _ in range(rng.choice([1, 2])):
+    for _ in range(rng.choice(range(1, max_kills + 1))):
         at = last_step(run) + rng.randint(1, 8)
         deadline = time.monotonic() + 120
         while proc.poll() is None and last_step(run) < at and time.monotonic() < deadline:
@@ -123,41 +131,46 @@ def one_run(tmp: Path, rng: random.Random) -> dict:
             kills["controller"] += 1
             proc = cona("train", "--resume", str(run))
     _, err = proc.communicate(timeout=600)
-    steps = [r for r in rows(run / "metrics.jsonl") if r.get("kind") == "step"]
-    final = {r["step"]: r for r in steps}
+    step_rows = [r for r in rows(run / "metrics.jsonl") if r.get("kind") == "step"]
+    final = {r["step"]: r for r in step_rows}
     ok = (
         proc.returncode == 0
-        and sorted(final) == list(range(1, STEPS + 1))
-        and all(r["consumed_samples"] == r["step"] * 16 for r in steps)
+        and sorted(final) == list(range(1, steps + 1))
+        and all(r["consumed_samples"] == r["step"] * GBS for r in step_rows)
     )
     lost = 0
-    for e in rows(run / "events.jsonl"):  # steps reached before a recovery minus the step it restored
+    events = rows(run / "events.jsonl")
+    failures = sum(e.get("kind") == "failure" for e in events)
+    for e in events:  # steps reached before a recovery minus the step it restored
         if e.get("kind") == "launch" and e.get("reason") in ("restart", "resume"):
-            reached = max((r["step"] for r in steps if r["wall_clock"] < e["wall_clock"]), default=0)
+            reached = max((r["step"] for r in step_rows if r["wall_clock"] < e["wall_clock"]), default=0)
             lost = max(lost, reached - e["step"])
-    from cona_cli.config import config_from_dict
-
-    shapes = expected_shapes(config_from_dict(DOC), run)
-    vocab = json.loads((run / "corpus.json").read_text())["vocab_size"]
-    root = run / "checkpoints"
-    corrupt = sum(not checkpoint_loads(p, shapes, DOC, vocab) for p in checkpoints.committed(root))
+    files = RunDir(run)
+    shapes = checkpoints.expected_shapes(config_from_dict(doc), files)
+    root = files.checkpoints
+    corrupt = sum(not checkpoint_loads(p, shapes, doc, files.vocab_size()) for p in committed(root))
     corrupt += sum(1 for p in root.iterdir() if p.name.startswith("bad")) if root.is_dir() else 0
     return {
         "ok": ok,
         "kills": kills,
+        "failures": failures,
         "lost": lost,
         "corrupt": corrupt,
-        "loss": final.get(STEPS, {}).get("loss"),
+        "loss": final.get(steps, {}).get("loss"),
         "err": "" if ok else err[-1500:],
     }
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("n", type=int, help="number of runs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=30, help="steps per run (a checkpoint every 5)")
+    parser.add_argument("--max-kills", type=int, default=2, help="kills per run: 1 to this many, at random")
     parser.add_argument("--keep", action="store_true", help="keep the run folders")
     args = parser.parse_args()
+    if args.n < 1 or args.steps < 1 or args.max_kills < 1:
+        parser.error("n, --steps and --max-kills must be >= 1")
     rng = random.Random(args.seed)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     base = Path(tempfile.mkdtemp(prefix="cona-chaos-"))
@@ -165,11 +178,12 @@ def main() -> None:
     ENV.setdefault("CONA_CACHE", os.environ["CONA_CACHE"])
     results, t0 = [], time.monotonic()
     for i in range(args.n):
-        r = one_run(base / f"run{i:03d}", rng)
+        r = one_run(base / f"run{i:03d}", rng, args.steps, args.max_kills)
         results.append(r)
         print(
             f"run {i + 1}/{args.n}: {'completed' if r['ok'] else 'FAILED'}, kills {r['kills']}, "
-            f"lost {r['lost']} steps, corrupt checkpoints {r['corrupt']}, final loss {r['loss']}",
+            f"failures recorded {r['failures']}, lost {r['lost']} steps, corrupt checkpoints {r['corrupt']}, "
+            f"final loss {r['loss']}",
             flush=True,
         )
         if r["err"]:
@@ -181,13 +195,16 @@ def main() -> None:
         f"(worker {sum(r['kills']['worker'] for r in results)}, "
         f"controller {sum(r['kills']['controller'] for r in results)})"
     )
+    # A rank killed with SIGKILL fails its launch: the controller records a failure and restarts.
+    print(f"launch failures recorded: {sum(r['failures'] for r in results)}")
     print(f"checkpoints corrupted:   {sum(r['corrupt'] for r in results)}")
     print(f"largest loss of progress: {max((r['lost'] for r in results), default=0)} steps")
     print(f"final losses (distinct): {sorted(losses)}")
     print(f"wall time:               {time.monotonic() - t0:.0f} s  ({base})")
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
+    return 0 if all(r["ok"] and not r["corrupt"] for r in results) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

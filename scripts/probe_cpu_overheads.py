@@ -7,13 +7,14 @@ negligible, so every microsecond is dispatch and autograd bookkeeping:
   pays once, whatever its depth);
 - optimizer: grad-norm clip + AdamW step + zero_grad of the 4-layer model (part of step_overhead_ms;
   the rest is cona's per-step bookkeeping, which bench_layouts.py prints as cona vs a plain loop).
-Medians of 200 timed repetitions after 20 warm-up ones.
+Medians of 200 timed repetitions after 20 warm-up ones (--reps, --warmup).
 
-Usage: .venv/bin/python scripts/probe_cpu_overheads.py
+Usage: .venv/bin/python scripts/probe_cpu_overheads.py [--reps 200] [--warmup 20]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -21,9 +22,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from launch.models.gpt import GPT, GPTArgs, loss_fn
+from cona_cli.config import ModelConfig
+from launch.models.gpt import GPT
+from launch.models.gpt import SPEC as GPT_SPEC
 
 LAYERS = (1, 2, 4, 8)
+VOCAB = 16
 
 
 def median_s(fn: Callable[[], None], reps: int = 200, warmup: int = 20) -> float:
@@ -38,18 +42,25 @@ def median_s(fn: Callable[[], None], reps: int = 200, warmup: int = 20) -> float
 
 
 def tiny_model(n_layers: int) -> GPT:
-    model = GPT(GPTArgs(n_layers=n_layers, d_model=8, n_heads=2, n_kv_heads=2, ffn=16, seq_len=4, vocab_size=16))
+    model = GPT(ModelConfig(n_layers=n_layers, d_model=8, n_heads=2, ffn=16, seq_len=4), VOCAB)
     model.init_weights(0)
     return model
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=200, help="timed repetitions (the median counts)")
+    ap.add_argument("--warmup", type=int, default=20, help="untimed repetitions before them")
+    args = ap.parse_args()
+    if args.reps < 1 or args.warmup < 0:
+        ap.error("--reps must be >= 1 and --warmup >= 0")
     torch.set_num_threads(1)
-    x, y = torch.randint(0, 16, (1, 4)), torch.randint(0, 16, (1, 4))
+    x, y = torch.randint(0, VOCAB, (1, 4)), torch.randint(0, VOCAB, (1, 4))
+    loss = GPT_SPEC.loss
     fwd_bwd = {}
     for n in LAYERS:
         model = tiny_model(n)
-        fwd_bwd[n] = median_s(lambda m=model: loss_fn(m(x), y).backward())
+        fwd_bwd[n] = median_s(lambda m=model: loss(m(x), y).backward(), args.reps, args.warmup)
     slope, intercept = np.polyfit(LAYERS, [fwd_bwd[n] for n in LAYERS], 1)
     model = tiny_model(4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -61,7 +72,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    optimizer_s = median_s(optimizer_step)
+    optimizer_s = median_s(optimizer_step, args.reps, args.warmup)
     print("forward+backward by layers: " + ", ".join(f"{n}: {fwd_bwd[n] * 1e6:.0f} us" for n in LAYERS))
     print(f"layer_overhead_us: {slope * 1e6:.0f}")
     print(f"microbatch_overhead_us: {intercept * 1e6:.0f}")

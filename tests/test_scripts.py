@@ -1,0 +1,220 @@
+"""scripts/ cannot rot: every script imports against the current code and answers --help; the ones
+that can be made tiny run for real (the multi-process ones marked e2e)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO, TINY, write_config
+
+SCRIPTS = sorted((REPO / "scripts").glob("*.py"))
+
+
+def script(name: str) -> Path:
+    path = REPO / "scripts" / name
+    assert path in SCRIPTS, f"{name} is not in scripts/"
+    return path
+
+
+def run_script(name: str, *args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(script(name)), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def number(pattern: str, text: str) -> float:
+    """The number the regex's first group captures in text (fails the test, showing text, if absent)."""
+    m = re.search(pattern, text)
+    assert m, f"{pattern!r} not in output:\n{text}"
+    return float(m.group(1))
+
+
+def test_the_scripts_folder_is_found() -> None:
+    assert len(SCRIPTS) >= 10, SCRIPTS
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_script_imports_as_a_module_without_running(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing resolves every name the script takes from cona_cli, launch and tests; main() does not run."""
+    name = f"cona_script_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up while it executes
+    monkeypatch.setattr(sys, "argv", [str(path)])  # a script that parsed argv at import would see no args
+    monkeypatch.setattr(sys, "path", list(sys.path))  # some scripts put the repository on sys.path
+    spec.loader.exec_module(module)
+    assert callable(module.main) and module.main.__module__ == name
+
+
+@pytest.fixture(scope="module")
+def help_runs() -> Iterator[dict[str, tuple[Path, Future]]]:
+    """`SCRIPT --help` of every script, two at a time (most import torch: seconds each), each from its own
+    empty folder: script name -> (folder, future of the finished process). The folders are this fixture's
+    own, not pytest's basetemp (which concurrent pytest sessions on the machine prune)."""
+    with tempfile.TemporaryDirectory(prefix="cona-script-help-") as tmp, ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {}
+        for path in SCRIPTS:
+            cwd = Path(tmp) / path.stem
+            cwd.mkdir()
+            runs[path.name] = (cwd, pool.submit(run_script, path.name, "--help", cwd=cwd, timeout=120))
+        yield runs
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_script_help_prints_usage_and_runs_nothing(path: Path, help_runs: dict[str, tuple[Path, Future]]) -> None:
+    """From a foreign folder: exit 0, usage and the module docstring's first line, no file written."""
+    cwd, future = help_runs[path.name]
+    proc = future.result()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"usage: {path.name}"), proc.stdout[:500]
+    first_line = ast.get_docstring(ast.parse(path.read_text())).splitlines()[0]
+    assert " ".join(first_line.split()) in " ".join(proc.stdout.split()), proc.stdout
+    assert not list(cwd.iterdir()), list(cwd.iterdir())
+
+
+# -- smoke runs ------------------------------------------------------------------------------
+
+
+def test_probe_cpu_overheads_prints_the_profile_figures() -> None:
+    proc = run_script("probe_cpu_overheads.py", "--reps", "3", "--warmup", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"forward\+backward by layers: 1: \d+ us, 2: \d+ us, 4: \d+ us, 8: \d+ us", proc.stdout)
+    number(r"layer_overhead_us: (-?\d+)", proc.stdout)  # a slope: noise may make it negative at 3 reps
+    number(r"microbatch_overhead_us: (-?\d+)", proc.stdout)
+    assert number(r"optimizer \(clip \+ AdamW \+ zero_grad, 4 layers\): ([\d.]+) ms", proc.stdout) > 0
+
+
+def test_bench_search_finds_a_best_strategy_for_every_case() -> None:
+    proc = run_script("bench_search.py", cwd=Path("/"))  # the config path is the repository's, not the cwd's
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 6, proc.stdout  # 3 cases x (configured threshold, BO forced)
+    for line, (case, how) in zip(lines, [(c, h) for c in ("1.3B", "6.7B", "175B") for h in ("configured", "BO")]):
+        assert case in line and how in line, line
+        assert re.search(r"best dp\d+-tp\d+-pp\d+-mbs\d+-gbs\d+ [\d.]+ s/iter$", line), line
+
+
+def ttp_run(run_dir: Path, evals: list[tuple[float, float]], gbs: int, finished: bool = True) -> None:
+    """A run folder as bench_ttp reads it: eval rows (time, val_ppl), two step rows, start and exit events."""
+    run_dir.mkdir(parents=True)
+    strategy = {"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": gbs}
+    metrics = [
+        {"kind": "step", "step": s, "time": 0.1 * s, "loss": 5.0, "iter_s": 0.1, "consumed_samples": s * gbs}
+        | strategy
+        | {"launch": 1, "wall_clock": 1e9 + s}
+        for s in (1, 2)
+    ]
+    metrics += [
+        {"kind": "eval", "step": 10 * i, "time": t, "val_loss": math.log(p), "val_ppl": p, "launch": 1}
+        | {"consumed_samples": 10 * i * gbs, "wall_clock": 1e9 + t}
+        for i, (t, p) in enumerate(evals)
+    ]
+    events = [{"kind": "start", "time": 0.0, "wall_clock": 1e9, "policy": "static", "world": 4}]
+    if finished:
+        events.append({"kind": "exit", "time": 30.0, "wall_clock": 1e9 + 30, "code": 0, "reason": "max_time"})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
+    """--tabulate on hand-written run folders of seed 1 (ladder 8, 16, 32, 64; static-auto at 32): times to
+    target interpolated in log-ppl between evaluations, speed-ups, unfinished runs left out."""
+    cfg = write_config(tmp_path / "tiny.yaml", {**TINY, "search": {"gbs_min": 8, "gbs_max": 64, "gbs_static": 32}})
+    out = tmp_path / "ttp"
+    ttp_run(out / "s1" / "cona", [(0, 200), (10, 100), (20, 50), (30, 25)], 16)
+    ttp_run(out / "s1" / "static-auto", [(0, 200), (10, 150), (20, 80), (30, 50)], 32)
+    ttp_run(out / "s1" / "static-16", [(0, 200), (10, 100), (20, 75), (30, 50)], 16)
+    ttp_run(out / "s1" / "static-8", [(0, 200), (10, 120), (20, 110), (30, 105)], 8)
+    ttp_run(out / "s1" / "static-64", [(0, 200), (10, 50)], 64, finished=False)
+    proc = run_script(
+        "bench_ttp.py",
+        *("--config", str(cfg), "--out", str(out), "--first-seed", "1", "--targets", "100,50"),
+        "--tabulate",
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    auto_100 = 10 + 10 * math.log(150 / 100) / math.log(150 / 80)  # between (10 s, ppl 150) and (20 s, ppl 80)
+    assert "| cona | 10 [10–10] (1/1) | 20 [20–20] (1/1) |" in text, text
+    assert f"| static-auto | {auto_100:.3g} [{auto_100:.3g}–{auto_100:.3g}] (1/1) | 30 [30–30] (1/1) |" in text, text
+    assert "| static-8 | - (0/1) | - (0/1) |" in text, text
+    assert "static-64" not in text  # no exit event: not finished, not tabulated
+    up = auto_100 / 10
+    assert f"| cona vs static-auto | {up:.3g} [{up:.3g}–{up:.3g}]× | 1.5 [1.5–1.5]× |" in text, text
+    assert "| cona vs best static | 1 [1–1]× | 1.5 [1.5–1.5]× |" in text, text  # static-16: 10 s and 30 s
+    assert "  cona s1: 1 / 1.5" in text, text
+    assert "static-auto 320 [320–320]" in text and "static-16 160 [160–160]" in text, text  # samples/s
+    assert "| hindsight chain |" in text, text
+
+
+@pytest.mark.e2e
+def test_chaos_one_short_run_survives_its_kills() -> None:
+    """Seed 7 draws two kills (a rank, then the controller) at random moments of a 20-step run."""
+    proc = run_script("chaos.py", "1", "--steps", "20", "--seed", "7", timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert re.search(r"^run 1/1: completed, kills ", out, re.M), out
+    assert "runs completed:          1/1" in out, out
+    worker = number(r"kills survived: +\d+ \(worker (\d+),", out)
+    assert worker >= 1 and number(r"controller (\d+)\)", out) >= 1, out
+    assert number(r"launch failures recorded: (\d+)", out) == worker  # each worker kill hit a rank
+    assert number(r"checkpoints corrupted: +(\d+)", out) == 0
+    assert number(r"largest loss of progress: (\d+) steps", out) <= 5  # the checkpoint interval
+    assert re.search(r"final losses \(distinct\): \[\d+\.\d+\]", out), out
+    base = Path(re.search(r"wall time: +\d+ s  \((.+)\)", out).group(1))
+    assert not base.exists()  # without --keep the run folders are removed
+
+
+@pytest.mark.e2e
+def test_bench_switch_one_round(tmp_path: Path) -> None:
+    proc = run_script(
+        "bench_switch.py", "--rounds", "1", "--stages", "2", "--stage-steps", "6", "--out", str(tmp_path), timeout=400
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "1 rounds x 1 switches per condition (6 steps per stage)" in out, out
+    for cond in ("standby", "cold"):
+        assert number(rf"{cond} +decision to first step: ([\d.]+) s", out) > 0
+        switches = [
+            e
+            for e in map(json.loads, (tmp_path / f"{cond}-0" / "events.jsonl").read_text().splitlines())
+            if e["kind"] == "switch"
+        ]
+        assert len(switches) == 1 and switches[0]["standby"] == (cond == "standby"), switches
+    assert number(r"running job slowed by the standby .*: ([\d.]+) x", out) > 0
+
+
+@pytest.mark.e2e
+def test_bench_layouts_times_every_layout_of_two_ranks(tmp_path: Path) -> None:
+    """bench_layouts.py with bench_layouts_ranks.py under torchrun, tiny: 2 ranks, gbs 8, mbs 2, one step each."""
+    doc = {**TINY, "model": {**TINY["model"], "n_layers": 2}, "cluster": {"procs_per_node": 2}}
+    cfg = write_config(tmp_path / "tiny2.yaml", {**doc, "strategy": "dp2-tp1-pp1-mbs2-gbs8"})
+    out = tmp_path / "times.json"
+    proc = run_script(
+        "bench_layouts.py",
+        *("--config", str(cfg), "--gbs", "8", "--steps", "1", "--rounds", "1", "--min-seconds", "0"),
+        *("--mbs", "2", "--out", str(out)),
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert sorted((r["dp"], r["tp"], r["pp"]) for r in rows) == [(1, 1, 2), (1, 2, 1), (2, 1, 1)], rows
+    assert all(r["mbs"] == 2 and r["gbs"] == 8 and r["iter_s"] > 0 and r["n"] >= 1 for r in rows), rows
+    text = proc.stdout
+    assert f"wrote {out} ({len(rows)} rows)" in text, text
+    assert number(r"torchrun start-up \(launch to first step\): ([\d.]+) s", text) > 0
+    assert number(r"DCP save [\d.]+ s, load \(resharded dp2->tp2\) [\d.]+ s, ([\d.]+) MB", text) > 0
+    assert number(r"\(1,1,1\) step: cona .* ratio ([\d.]+)", text) > 0
