@@ -133,3 +133,23 @@ def test_round_trip_through_worker_json() -> None:
     assert again == cfg
     with pytest.raises(ConfigError):
         config_from_dict({"model": TINY["model"], "train": {"seed": -1}})
+
+
+def test_every_shipped_config_validates() -> None:
+    """Each config under configs/ loads (chain files aside); those with a stop rule pass `train --dry-run`."""
+    from cona_cli.config import read_yaml
+    from cona_cli.control.run_setup import complete_schedule
+
+    runner = CliRunner()
+    checked = 0
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        if "model" not in (read_yaml(path) or {}):  # a chain file (`--chain FILE`)
+            continue
+        cfg = complete_schedule(load_config(path))
+        t = cfg.train
+        absent = cfg.data.path is not None and not Path(cfg.data.path).expanduser().exists()  # e.g. no shared/
+        if any((t.max_steps, t.max_tokens, t.max_time, t.target_ppl)) and not absent:
+            result = runner.invoke(app, ["train", str(path), "--dry-run"])
+            assert result.exit_code == 0, (path.name, result.output)
+            checked += 1
+    assert checked >= 4

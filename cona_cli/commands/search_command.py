@@ -16,6 +16,7 @@ from rich.table import Table
 
 from cona_cli.commands.errors import fail
 from cona_cli.config import Config, ConfigError, load_config
+from cona_cli.overrides import parse_sets
 from cona_cli.planner.hardware import HardwareProfile, load_hardware
 from cona_cli.planner.space import gbs_ladder
 from cona_cli.planner.workload import Workload
@@ -147,6 +148,9 @@ def search_command(
     top: int = typer.Option(10, "--top", help="Candidates to show per global batch."),
     as_json: bool = typer.Option(False, "--json", help="Write the result as JSON to stdout."),
     show_rejected: bool = typer.Option(False, "--show-rejected", help="Also list rejected strategies with reasons."),
+    sets: list[str] | None = typer.Option(
+        None, "--set", metavar="SECTION.KEY=VALUE", help="Override one config value (YAML), e.g. search.mbs=[1,2]."
+    ),
 ) -> None:
     """Rank parallelism strategies (dp, tp, pp, mbs, gbs) by predicted seconds per step and Φ."""
     if not dry_run:
@@ -162,7 +166,7 @@ def search_command(
     if not math.isfinite(gns) or gns < 0:
         raise fail("cona search", f"--gns must be a finite number >= 0, got {gns}") from None
     try:
-        cfg = load_config(config)
+        cfg = load_config(config, parse_sets(sets))
         hw = load_hardware(hardware or cfg.search.hardware)
     except ConfigError as e:
         raise fail("cona search", str(e)) from None

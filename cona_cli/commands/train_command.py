@@ -10,12 +10,14 @@ from rich.console import Console
 from cona_cli.cluster.nodes import ClusterError
 from cona_cli.cluster.sbatch import sbatch_script
 from cona_cli.cluster.slurm import SlurmError
+from cona_cli.commands.dry_run import dry_run_plan
 from cona_cli.commands.errors import fail
 from cona_cli.config import ConfigError
 from cona_cli.control.controller import Controller
 from cona_cli.control.resume import prepare_resume
 from cona_cli.control.run_setup import default_run_dir, make_policy, prepare_run_dir, resolve_config
 from cona_cli.control.runstate import lock
+from cona_cli.overrides import parse_sets
 
 err = Console(stderr=True, soft_wrap=True)
 
@@ -39,16 +41,30 @@ def train_command(
         help="Write a Slurm batch script that runs this "
         "training (launcher slurm) to this file instead of training now.",
     ),
+    sets: list[str] | None = typer.Option(
+        None, "--set", metavar="SECTION.KEY=VALUE", help="Override one config value (YAML), e.g. train.lr=3e-4."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Validate config, data and feasibility and print the plan; launch nothing."
+    ),
 ) -> None:
     """Train under a fixed strategy or a chain of strategies, switching by checkpoint + relaunch."""
     if strategy is not None and chain is not None:
         raise fail("cona", "--strategy and --chain: give one of them")
     state = None
     try:
+        given = parse_sets(sets)
+        if given and resume is not None:
+            raise ConfigError("--set: not with --resume (a resumed run keeps its own config)")
+        if dry_run:
+            if config is None or resume is not None or sbatch is not None:
+                raise ConfigError("--dry-run: give a CONFIG (and no --resume or --sbatch)")
+            dry_run_plan(resolve_config(config, strategy, chain, max_steps, data, given))
+            return
         if sbatch is not None:
             if config is None or resume is not None:
                 raise ConfigError("--sbatch: give a CONFIG (and no --resume)")
-            write_sbatch(sbatch, config, run_dir, strategy, chain, max_steps, data)
+            write_sbatch(sbatch, config, run_dir, strategy, chain, max_steps, data, sets or [])
             return
         if resume is not None:
             if run_dir is not None and run_dir.resolve() != resume.resolve():
@@ -58,7 +74,7 @@ def train_command(
         elif config is None:
             raise ConfigError("CONFIG: missing (give a YAML config, or --resume RUN_DIR)")
         else:
-            cfg, policy = make_policy(resolve_config(config, strategy, chain, max_steps, data))
+            cfg, policy = make_policy(resolve_config(config, strategy, chain, max_steps, data, given))
             run_dir = run_dir or default_run_dir(config)
             prepare_run_dir(run_dir, config, cfg)
             lock(run_dir)
@@ -78,9 +94,10 @@ def write_sbatch(
     chain: Path | None,
     max_steps: int | None,
     data: Path | None,
+    sets: list[str] | None = None,
 ) -> None:
     """Validate the config and write the batch script (the run folder is made now, for Slurm's log)."""
-    cfg = resolve_config(config, strategy, chain, max_steps, data)
+    cfg = resolve_config(config, strategy, chain, max_steps, data, parse_sets(sets))
     run_dir = (run_dir or default_run_dir(config)).absolute()
     argv = [str(config.absolute()), "--run-dir", str(run_dir)]
     for flag, value in (
@@ -91,6 +108,8 @@ def write_sbatch(
     ):
         if value is not None:
             argv += [flag, str(value)]
+    for item in sets or []:
+        argv += ["--set", item]
     text = sbatch_script(cfg, argv, run_dir, Path.cwd())
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

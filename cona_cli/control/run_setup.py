@@ -8,6 +8,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from cona_cli.config import Config, ConfigError, config_from_dict, load_config, parse_chain, read_yaml
 from cona_cli.control.policies import ChainPolicy, Policy, StaticPolicy
@@ -18,9 +19,15 @@ from cona_cli.strategy import Strategy, StrategyError
 
 
 def resolve_config(
-    config: Path, strategy: str | None, chain: Path | None, max_steps: int | None, data: Path | None = None
+    config: Path,
+    strategy: str | None,
+    chain: Path | None,
+    max_steps: int | None,
+    data: Path | None = None,
+    sets: dict[str, Any] | None = None,
 ) -> Config:
-    """The config with CLI overrides applied and validated as a whole."""
+    """The config with CLI overrides applied and validated as a whole. `sets` (from `--set`, already parsed)
+    go over the file like the named flags; a key both set and given by a flag is refused."""
     overrides: dict = {}
     if data is not None:
         overrides["data.path"] = str(data)
@@ -41,12 +48,42 @@ def resolve_config(
         if max_steps < 1:
             raise ConfigError("--max-steps: must be >= 1")
         overrides["train.max_steps"] = max_steps
-    cfg = load_config(config, overrides)
+    for key in sets or {}:
+        if key in overrides:
+            raise ConfigError(f"--set {key}: also given by a flag ({_FLAG_OF.get(key, '--strategy or --chain')})")
+    cfg = complete_schedule(load_config(config, {**overrides, **(sets or {})}))
+    explicit = "train.schedule" in (sets or {}) or "schedule" in (_section(read_yaml(config), "train"))
+    t = cfg.train
+    if explicit and t.schedule != "constant" and t.decay_tokens is None:
+        raise ConfigError(
+            f"{config}: train.decay_tokens: schedule {t.schedule} needs decay_tokens (or a max_tokens stop rule, "
+            "its default); set it, or schedule: constant"
+        )
     if not any((cfg.train.max_steps, cfg.train.max_tokens, cfg.train.max_time, cfg.train.target_ppl)) and not (
         cfg.chain and cfg.chain[-1].steps
     ):
         raise ConfigError(f"{config}: train: needs a stop rule (max_steps, max_tokens, max_time or target_ppl)")
     return cfg
+
+
+_FLAG_OF = {"data.path": "--data", "train.max_steps": "--max-steps"}
+
+
+def _section(raw: Any, name: str) -> dict:
+    section = raw.get(name) if isinstance(raw, dict) else None
+    return section if isinstance(section, dict) else {}
+
+
+def complete_schedule(cfg: Config) -> Config:
+    """A decaying schedule without decay_tokens decays over max_tokens when that stop rule exists."""
+    t = cfg.train
+    if t.schedule == "constant" or t.decay_tokens is not None or t.max_tokens is None:
+        return cfg
+    try:
+        raw = cfg.to_raw()
+        return config_from_dict({**raw, "train": {**raw["train"], "decay_tokens": t.max_tokens}}, cfg.source)
+    except ConfigError as e:
+        raise ConfigError(f"{cfg.source}: {e} (train.decay_tokens defaults to train.max_tokens)") from None
 
 
 def make_policy(cfg: Config) -> tuple[Config, Policy]:
