@@ -23,10 +23,11 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from cona_cli.config import ConfigError
 from cona_cli.strategy import Strategy
 from launch.device import group_device
 from launch.models.spec import Batch, ModelSpec
-from launch.precision import autocast_forward, fsdp_policy
+from launch.precision import autocast_forward, fsdp_policy, resolve_precision
 from launch.recompute import recompute_blocks
 
 
@@ -167,6 +168,18 @@ def counts_here(grad: torch.Tensor, coord: dict[str, int], dims: tuple[str, ...]
     return all(coord[d] == 0 for d in dims if d not in sharded)
 
 
+def refuse_tp_dropout(model: nn.Module) -> None:
+    """Refuse dropout under TP: every TP rank draws the same masks from the same seed, so the attention
+    dropout of its head shard would repeat across shards (a separate TP stream, Megatron's RNG tracker,
+    is not implemented)."""
+    rates = [mod.p if isinstance(mod, nn.Dropout) else getattr(mod, "dropout", 0.0) for mod in model.modules()]
+    p = max((float(r) for r in rates if isinstance(r, (int, float))), default=0.0)
+    if p > 0:
+        raise ConfigError(
+            f"model.dropout: {p} with tp > 1 is not supported (TP ranks would share dropout masks); set it to 0"
+        )
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -183,6 +196,9 @@ def parallelize(
     FSDP2's mixed precision, else autocast), schedule. `device`: where the model lives (default: the
     process group's device)."""
     device = device or group_device()
+    precision = resolve_precision(precision, device)
+    if strategy.tp > 1:
+        refuse_tp_dropout(model)
     pp_rank = mesh["pp"].get_local_rank()
     if strategy.pp > 1:
         spec.pipeline_split(model, pp_rank, strategy.pp)
@@ -193,13 +209,25 @@ def parallelize(
     wrapped: nn.Module = model
     if dp_impl == "fsdp":
         dp_mesh, mp = mesh["dp"], fsdp_policy(precision)
+        # Under PP every micro-batch runs each block's forward and backward separately: resharding after
+        # forward would all-gather each block again per micro-batch (TorchTitan keeps them unsharded
+        # between forward and backward when pp > 1; `PipelineStage` turns reshard-after-backward and
+        # gradient sync off until the last micro-batch anyway).
+        reshard = strategy.pp == 1
         for block in model.layers.values():
-            fully_shard(block, mesh=dp_mesh, mp_policy=mp)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=strategy.pp == 1, mp_policy=mp)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     else:
         autocast_forward(model, precision, device)
         if strategy.dp > 1 and strategy.tp == 1 and strategy.pp == 1:
-            wrapped = DDP(model, process_group=mesh["dp"].get_group(), forward_sync_buffers=False)
+            # gradient_as_bucket_view: each `.grad` is a view into DDP's fp32 bucket, not a second copy
+            # of the gradients (the comm hook in launch.gradstats reads the buckets before reducing them).
+            wrapped = DDP(
+                model,
+                process_group=mesh["dp"].get_group(),
+                forward_sync_buffers=False,
+                gradient_as_bucket_view=True,
+            )
     pm = ParallelModel(
         model=model,
         wrapped=wrapped,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from cona_cli.planner.hardware import HardwareProfile
+from cona_cli.planner.memory import compute_precision
 from cona_cli.planner.workload import Workload
 from cona_cli.strategy import Strategy
 
@@ -56,7 +57,9 @@ def iteration_time(x: np.ndarray, w: Workload, hw: HardwareProfile) -> np.ndarra
     dp, tp, pp, mbs, gbs = (x[:, i].astype(np.float64) for i in range(5))
     m = gbs / (dp * mbs)
     ppn = w.procs_per_node
-    flops = hw.device_flops(w.precision, ppn)  # already the per-process share of the node's cores
+    precision = compute_precision(w.precision, hw)
+    e = 4 if precision == "fp32" else 2  # bytes per activation / gathered weight in the compute precision
+    flops = hw.device_flops(precision, ppn)  # already the per-process share of the node's cores
     contention = hw.cpu_contention(ppn)
     intra_bw, inter_bw = hw.intra_bw_gbs * 1e9, hw.inter_bw_gbs * 1e9
     intra_lat, inter_lat = hw.intra_latency_us * 1e-6, hw.inter_latency_us * 1e-6
@@ -69,7 +72,7 @@ def iteration_time(x: np.ndarray, w: Workload, hw: HardwareProfile) -> np.ndarra
     shape = w.shape
     layer_fwd = compute_s(shape.layer_fwd_flops(mbs) / tp)
     head_fwd = compute_s(shape.head_fwd_flops(mbs) / tp)
-    act = mbs * shape.seq_len * shape.d_model * w.act_bytes  # one activation tensor of a micro-batch
+    act = mbs * shape.seq_len * shape.d_model * e  # one activation tensor of a micro-batch
 
     # Ranks are laid out (pp, dp, tp) with tp innermost; a node's NIC is shared by the rings crossing it.
     tp_local = tp <= ppn
@@ -112,7 +115,10 @@ def iteration_time(x: np.ndarray, w: Workload, hw: HardwareProfile) -> np.ndarra
         def sharded(nbytes: np.ndarray) -> np.ndarray:
             return np.where(dp > 1, (dp - 1) / dp * nbytes / dp_bw + (dp - 1) * dp_lat, 0.0)
 
-        dp_comm = 2 * m * sharded(local_params * w.act_bytes) + sharded(grad_bytes)
+        # Under PP the stage stays gathered from the first micro-batch's forward to the last one's backward
+        # (reshard_after_forward off; PipelineStage defers resharding and the reduce-scatter): one all-gather.
+        gathers = np.where(pp == 1, 2 * m, 1.0)
+        dp_comm = gathers * sharded(local_params * e) + sharded(grad_bytes)
         hideable = pipeline
         optimizer_params = local_params / dp
     else:

@@ -8,11 +8,22 @@ from typing import Any
 
 import numpy as np
 
+from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.workload import Workload
 from launch.models.shape import ModelShape
 
 STATE_BYTES = 16  # per parameter: fp32 weight, fp32 gradient, fp32 AdamW moments m and v
 GRAD_BYTES = 4  # gradients are fp32 under every precision (master weights)
+ADAM_TEMP_BYTES = 4  # foreach AdamW's sqrt(v) temporary, one fp32 tensor per parameter during the step
+
+
+def compute_precision(precision: str, hw: HardwareProfile) -> str:
+    """`search.precision` as the planner models it: `auto` is bf16 on a GPU profile (one without
+    `cores_per_node`) that lists a bf16 peak, fp32 on a CPU profile (launch.precision.resolve_precision
+    gives the same from the rank's device)."""
+    if precision == "auto":
+        return "bf16" if not hw.cores_per_node and "bf16" in hw.peak_tflops else "fp32"
+    return precision
 
 
 def layer_activation_bytes(shape: ModelShape, mbs: Any, tp: Any, act_bytes: int) -> Any:
@@ -26,25 +37,37 @@ def layer_activation_bytes(shape: ModelShape, mbs: Any, tp: Any, act_bytes: int)
     return mbs * shape.seq_len * act_bytes * (4 * h + (attention + mlp) / tp)
 
 
-def memory_bytes(x: np.ndarray, w: Workload) -> np.ndarray:
-    """Peak bytes per device (without the runtime reservation) for rows x = (dp, tp, pp, mbs, gbs).
+def memory_bytes(x: np.ndarray, w: Workload, hw: HardwareProfile | None = None) -> np.ndarray:
+    """Peak bytes per device (without the runtime reservation) for rows x = (dp, tp, pp, mbs, gbs)
+    (`hw`: resolves `search.precision: auto`).
 
     Model states: 16 bytes per parameter (fp32 weights, gradients and moments under fp32 and bf16 alike),
-    sharded over dp under FSDP, plus two gathered layers in the compute precision; under bf16 without
-    FSDP, autocast's compute-precision copies of the weights. When dp > 1 and the gradients are averaged
-    by one flat all-reduce (DDP under TP or PP), that flat fp32 copy. Activations: what each layer saves
+    sharded over dp under FSDP, plus two gathered layers in the compute precision with pp = 1. FSDP under
+    PP keeps the whole stage gathered (reshard_after_forward off, and `PipelineStage` turns
+    reshard-after-backward and gradient sync off until the last micro-batch): its compute-precision
+    parameters and their unsharded fp32 accumulated gradients, not divided by dp. Under bf16 without
+    FSDP, autocast's compute-precision copies of the weights. DDP's gradients are views into its buckets
+    (gradient_as_bucket_view), no second copy. When dp > 1 and the gradients are averaged by one flat
+    all-reduce (DDP under TP or PP), that flat fp32 copy. The optimizer step (activations freed by then)
+    adds foreach AdamW's full fp32 temporary over the local parameters. Activations: what each layer saves
     (`layer_activation_bytes`); with recomputation only each layer's input plus one layer's working set.
     1F1B keeps up to pp micro-batches in flight on stage 0, GPipe all m. The last stage holds the logits
     gathered whole on every TP rank, their fp32 copy and gradient, for one micro-batch.
     """
     dp, tp, pp, mbs, gbs = (x[:, i].astype(np.float64) for i in range(5))
-    shape, e = w.shape, w.act_bytes
+    precision = compute_precision(w.precision, hw) if hw is not None else w.precision
+    if precision == "auto":
+        raise ValueError("search.precision auto: memory_bytes needs the hardware profile to resolve it")
+    shape, e = w.shape, 4 if precision == "fp32" else 2
     m = gbs / (dp * mbs)
     params = w.stage_params(tp, pp)
     states = params * STATE_BYTES
     if w.dp_impl == "fsdp":
-        states = states / dp + 2 * shape.layer_params / tp * e  # plus two gathered layers
+        gathered = np.where(pp == 1, 2 * shape.layer_params / tp * e, params * (e + GRAD_BYTES))
+        states = states / dp + gathered
+        optimizer_params = params / dp
     else:
+        optimizer_params = params
         if e != 4:
             states = states + params * e  # autocast's casts of the weights
         flat = (dp > 1) & ((tp > 1) | (pp > 1))
@@ -58,4 +81,5 @@ def memory_bytes(x: np.ndarray, w: Workload) -> np.ndarray:
     logits = mbs * shape.seq_len * shape.vocab * (e + 2 * 4 if e != 4 else 2 * 4)
     first = first_in_flight * per_microbatch + np.where(pp == 1, logits, 0.0)
     last = last_in_flight * per_microbatch + logits
-    return states + np.maximum(first, last)
+    step_temporary = optimizer_params * ADAM_TEMP_BYTES
+    return states + np.maximum(np.maximum(first, last), step_temporary)
