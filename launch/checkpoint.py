@@ -7,6 +7,11 @@ never leaves a folder that looks complete. Loading ignores folders without the m
 to whatever layout is running: parameter names are the same under every (dp, tp, pp). Pruning
 runs only after a newer checkpoint is committed, so the newest committed one is never deleted first.
 
+A save that cannot write (disk full, quota, permission, read-only storage) raises `SaveError` on
+every rank with one line naming the path and what it needs; its temporary folder is removed and the
+committed checkpoints are left as they are (nothing is pruned), so `--resume` continues from the last
+good one. The worker exits with `STORAGE_EXIT`.
+
 Running out of memory while loading says nothing about the checkpoint: it is raised as out of memory
 (every rank together), never as CheckpointError, so the controller marks the strategy infeasible and
 keeps the checkpoint instead of quarantining it.
@@ -14,6 +19,7 @@ keeps the checkpoint instead of quarantining it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -43,8 +49,19 @@ from launch.device import is_out_of_memory
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+STORAGE_EXIT = 5  # a worker whose checkpoint could not be written exits with this code (= control.failures')
+# Test hook: "STEP:ERRNO" (e.g. "8:ENOSPC") makes rank 0's write of trainer.json fail from that step on.
+_FAULT_ENV = "CONA_TEST_SAVE_ERRNO"
+_NO_ROOM = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded", errno.EFBIG: "file too large"}
+_NOT_WRITABLE = {errno.EACCES: "permission denied", errno.EPERM: "not permitted", errno.EROFS: "read-only file system"}
+
+
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that does not fit the model."""
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (storage full or not writable); raised on every rank alike."""
 
 
 def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -72,19 +89,27 @@ def save(
 ) -> tuple[Path, float, int]:
     """Collective: every rank calls it. Returns (committed path, seconds, bytes) on every rank.
 
-    `before_commit` runs on every rank once its shards are written (a test hook: die or linger there)."""
+    Raises SaveError on every rank if any could not write; the committed checkpoints stay, and older
+    ones are pruned only once this one is committed. `before_commit` runs on every rank once its
+    shards are written (a test hook: die or linger there)."""
     t0 = time.perf_counter()
     final = step_dir(root, step)
     tmp = root / f".tmp-{final.name}"
-    if dist.get_rank() == 0:
+    rank0 = dist.get_rank() == 0
+
+    def start() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(_states(model, optimizer), checkpoint_id=str(tmp))
+
+    _together(start if rank0 else None, root, tmp, model, optimizer)
+    states = _states(model, optimizer)
+    _together(lambda: dcp.save(states, checkpoint_id=str(tmp)), root, tmp, model, optimizer)
     if before_commit is not None:
         before_commit()
-    dist.barrier()
-    if dist.get_rank() == 0:
+    dist.barrier()  # every rank past its hook before rank 0 commits
+
+    def commit() -> None:
+        _maybe_fault(step, tmp / TRAINER_STATE)
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
         if final.exists():  # an unusable attempt at the same step (a usable one is never re-saved)
             shutil.rmtree(final)
@@ -93,9 +118,81 @@ def save(
             f.write(f"{step}\n")
             f.flush()
             os.fsync(f.fileno())
-        _prune(root, keep)
+
+    _together(commit if rank0 else None, root, tmp, model, optimizer)
+    if rank0:
+        _prune(root, keep)  # only now: the new checkpoint is committed
     dist.barrier()
     return final, time.perf_counter() - t0, _dir_bytes(final)
+
+
+def _maybe_fault(step: int, path: Path) -> None:
+    hook = os.environ.get(_FAULT_ENV)
+    if hook:
+        at, name = hook.split(":")
+        if step >= int(at):
+            code = getattr(errno, name)
+            raise OSError(code, os.strerror(code), str(path))
+
+
+def _together(
+    part: Callable[[], object] | None,
+    root: Path,
+    tmp: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """Run one part of a save (on the ranks given one), then agree: if any rank could not write, every
+    rank raises the same SaveError (after rank 0 removed the temporary folder)."""
+    error: str | None = None
+    try:
+        if part is not None:
+            part()
+    except (OSError, CheckpointException) as e:
+        found = _os_error(e)
+        if found is None:
+            raise
+        error = _storage_message(found, root, model, optimizer)
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    said = next((e for e in errors if e is not None), None)
+    if said is not None:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed attempt wrote
+        raise SaveError(said)
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The storage error behind `e` (DCP wraps each rank's in a CheckpointException), or None."""
+    if isinstance(e, CheckpointException):
+        inner = [err for errs in e.failures.values() for err in (errs if isinstance(errs, tuple) else (errs,))]
+        e = next((err for err in inner if isinstance(err, OSError)), e)
+    if isinstance(e, OSError) and e.errno in (_NO_ROOM | _NOT_WRITABLE):
+        return e
+    return None
+
+
+def _storage_message(e: OSError, root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """One line: which path could not be written, why, and what it needs."""
+    path = Path(e.filename) if e.filename else root
+    if e.errno in _NOT_WRITABLE:
+        need = f"{root} must be writable by this user (uid {os.getuid()})"
+        return f"cannot write checkpoint {path}: {_NOT_WRITABLE[e.errno]}; {need}"
+    newest = committed(root)
+    size = _dir_bytes(newest[0]) if newest else _state_bytes(model, optimizer) * dist.get_world_size()
+    try:
+        free = f", {shutil.disk_usage(root).free / 1e6:.1f} MB free"
+    except OSError:
+        free = ""
+    kept = f"; the last good checkpoint {newest[0]} is kept" if newest else ""
+    return f"cannot write checkpoint {path}: {_NO_ROOM[e.errno]}; needs about {size / 1e6:.1f} MB on {root}{free}{kept}"
+
+
+def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Rough size of this rank's model and optimizer state (parameters and Adam's two moments)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return params + sum(t.numel() * t.element_size() for t in moments)
 
 
 def _prune(root: Path, keep: int) -> None:

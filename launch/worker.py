@@ -156,6 +156,7 @@ class Worker:
         self.resize_requested: Strategy | None = None  # rank 0: the batch the controller asked for
         self.saved: tuple[int, Path] | None = None  # (step, path) of the checkpoint this state is in
         self.last_save_time = self.now()
+        self.last_save_s = 0.0  # how long the last save took: stretches the periodic interval
         self.metrics = open(self.files.metrics, "a") if self.rank == 0 else None
         self.setup_s = 0.0  # process group, model, layout and checkpoint load: set by run()
 
@@ -201,7 +202,7 @@ class Worker:
         path, seconds, nbytes = checkpoint.save(
             self.ckpt_root, step, self.pm.model, self.opt, trainer, self.cfg.train.checkpoint_keep, before_commit
         )
-        self.saved, self.last_save_time = (step, path), self.now()
+        self.saved, self.last_save_time, self.last_save_s = (step, path), self.now(), seconds
         if self.telemetry is not None:
             self.telemetry.send(
                 {
@@ -253,8 +254,11 @@ class Worker:
         return self.cfg.train.max_time is not None and self.now() >= self.cfg.train.max_time
 
     def checkpoint_due_by_time(self) -> bool:
-        interval = self.cfg.train.checkpoint_interval_s
-        return interval is not None and self.now() - self.last_save_time >= interval
+        t = self.cfg.train
+        if t.checkpoint_interval_s is None:
+            return False
+        interval = max(t.checkpoint_interval_s, self.last_save_s / t.checkpoint_max_share)  # saves ≤ that share
+        return self.now() - self.last_save_time >= interval
 
     def train_step(self, want_eval: bool) -> StepOut:
         s, st, t = self.strategy, self.state, self.cfg.train
@@ -552,8 +556,13 @@ def run(
             # "terminate called without an active exception") and the controller would never see the code.
             os._exit(BAD_CHECKPOINT_EXIT)
     worker.setup_s = time.time() - t_start
-    with exit_on_out_of_memory(lambda: worker.strategy, device):
-        result = worker.train(stop_step, fresh=resume is None)
+    try:
+        with exit_on_out_of_memory(lambda: worker.strategy, device):
+            result = worker.train(stop_step, fresh=resume is None)
+    except checkpoint.SaveError as e:  # every rank alike; the committed checkpoints are kept
+        print(f"cona-worker: checkpoint not saved: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(checkpoint.STORAGE_EXIT)
     if worker.rank == 0:
         out = RunDir(run_dir).launch_outcome(launch)
         out.parent.mkdir(exist_ok=True)

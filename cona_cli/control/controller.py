@@ -38,7 +38,7 @@ from cona_cli.cluster.nodes import (
 from cona_cli.cluster.shared_storage import check_shared
 from cona_cli.config import Config
 from cona_cli.control import usable_checkpoints as checkpoints
-from cona_cli.control.failures import REFUSED_EXIT, Failure, failed_host, parse_failure
+from cona_cli.control.failures import REFUSED_EXIT, STORAGE_EXIT, Failure, failed_host, parse_failure
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict, write_atomic
 from cona_cli.control.standby import Standby, standby_args
@@ -47,7 +47,7 @@ from cona_cli.control.tensorboard_log import TensorBoardLog
 from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.memory import memory_bytes
 from cona_cli.planner.workload import Workload
-from cona_cli.rundir import RunDir
+from cona_cli.rundir import RunDir, read_trainer_state
 from cona_cli.strategy import Strategy, resizable
 
 INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGKILL
@@ -206,7 +206,7 @@ class Controller:
             step = checkpoints.checkpoint_step(ckpt) if ckpt else 0
             self.events.write("resume", step=step, checkpoint=str(ckpt) if ckpt else None, launch=self.launch)
             running = stage_from_dict(self.state.stage) or self.policy.first()
-            stage, launch_reason = self.policy.restart(step, running), "resume"
+            stage, launch_reason = self._batch_at(ckpt, self.policy.restart(step, running)), "resume"
         else:
             self.events.write("start", config=self.cfg.source, policy=self.policy.name, world=self.cfg.cluster.world)
             stage = self.policy.first()
@@ -222,6 +222,8 @@ class Controller:
                 failure = self._record_failure(result, ckpt)
                 if failure.refusal is not None:  # deterministic: relaunching would only fail again
                     return self._exit(REFUSED_EXIT, "refused", self.last_metric.get("step", 0))
+                if failure.storage is not None:  # relaunching fails at the next save; --resume once there is room
+                    return self._exit(STORAGE_EXIT, "failed", self.last_metric.get("step", 0))
                 if failure.out_of_memory:
                     stage = self._out_of_memory(Strategy.parse(failure.strategy or str(stage.strategy)), failure)
                     if stage is None:
@@ -232,6 +234,8 @@ class Controller:
                     prev = None  # the switch into this strategy is already recorded
                 ckpt = self.newest_checkpoint()
                 stage = self.policy.restart(checkpoints.checkpoint_step(ckpt) if ckpt else 0, stage)
+                if not failure.out_of_memory:  # (after out of memory: the strategy the policy chose instead)
+                    stage = self._batch_at(ckpt, stage)
                 launch_reason = "out_of_memory" if failure.out_of_memory else "restart"
                 continue
             ckpt, launch_reason = Path(outcome["checkpoint"]), None
@@ -252,6 +256,22 @@ class Controller:
         return self._exit(0, "done", prev[1]["step"] if prev else 0)
 
     # -- recovery ----------------------------------------------------------------------------
+
+    def _batch_at(self, ckpt: Path | None, stage: Stage | None) -> Stage | None:
+        """The stage a restart from `ckpt` runs: the batch in force when `ckpt` was taken (its saved strategy),
+        where an in-place resize since changed only the batch; the policy resizes again if it still wants
+        to. The policy is told, as after a launch that ended on its request."""
+        if ckpt is None or stage is None or not self.policy.in_place:
+            return stage
+        try:
+            saved = Strategy.from_mapping(read_trainer_state(ckpt)["strategy"])
+        except (ValueError, KeyError, TypeError):  # a checkpoint from before saved strategies: as it was
+            return stage
+        if saved == stage.strategy or not resizable(stage.strategy, saved):
+            return stage
+        taken = Stage(saved, stage.stop_step, stage.reason)
+        self.policy.after_launch({"step": checkpoints.checkpoint_step(ckpt)}, taken)
+        return taken
 
     def newest_checkpoint(self) -> Path | None:
         """The newest usable checkpoint (unusable ones are quarantined with a warning); None if none
@@ -290,6 +310,9 @@ class Controller:
         where = f"node {host}: " if self.multi_node and host else ""
         if failure.refusal is not None:  # the worker's one line says it all
             self.console.print(f"cona: {where}{failure.refusal}", style="red", markup=False, highlight=False)
+            return failure
+        if failure.storage is not None:  # so does a checkpoint that could not be written
+            self.console.print(f"cona: {where}{failure.storage}", style="red", markup=False, highlight=False)
             return failure
         self.console.print("\n".join(failure.last_lines), markup=False, highlight=False)
         self.console.print(f"[red]cona: launch {self.launch} failed: {where}{failure.describe()}; see {log_path}[/red]")

@@ -7,7 +7,9 @@ the tee). Out of memory is recognised by the worker's exit code or the error tex
 cuBLAS (NCCL and cuBLAS allocations do not go through torch's allocator and fail as DistBackendError or
 RuntimeError: the same texts as `launch.device.OUT_OF_MEMORY_TEXT`). A rank that exits with
 `REFUSED_EXIT` refused deterministically (its node cannot run the config, e.g. no GPU for NCCL): running
-it again cannot help, and the run ends with the worker's one line.
+it again cannot help, and the run ends with the worker's one line. So does a rank that exits with
+`STORAGE_EXIT` (its checkpoint could not be written: disk full or not writable); that run may continue
+with `--resume` once there is room, from the last good checkpoint, which is kept.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ _OUT_OF_MEMORY = re.compile(
 )
 REFUSED_EXIT = 2  # the worker's exit code for a node that cannot run the config (launch.worker: DeviceError)
 _REFUSAL = re.compile(r"^\s*cona-worker: (?!placement: )(.+)$")  # the worker's one line before REFUSED_EXIT
+STORAGE_EXIT = 5  # a worker whose checkpoint could not be written (= launch.checkpoint.STORAGE_EXIT)
+_STORAGE = re.compile(r"^\s*cona-worker: (checkpoint not saved: .+)$")  # the worker's one line before STORAGE_EXIT
 _PEAK = re.compile(r"out of memory under (\S+): peak (\d+) bytes")  # the worker's own line
 _SRUN_TASK = re.compile(r"srun: error: (\S+): task \d+: (?!.*Terminated)")
 TAIL = 15
@@ -75,6 +79,15 @@ class Failure:
             return said[-1]
         lines = [line.strip() for line in self.last_lines if line.strip()]
         return lines[-1] if lines else f"rank {self.rank} exited with code {REFUSED_EXIT}"
+
+    @property
+    def storage(self) -> str | None:
+        """The worker's one line when a rank could not write its checkpoint (exit `STORAGE_EXIT`): relaunching
+        would only fail at the next save, so the run stops (resumable once there is room)."""
+        if STORAGE_EXIT not in self.exit_codes.values():
+            return None
+        said = [m.group(1).strip() for line in self.last_lines for m in [_STORAGE.match(line)] if m]
+        return said[-1] if said else f"a rank exited with code {STORAGE_EXIT} (checkpoint not saved)"
 
     @property
     def peak_bytes(self) -> int | None:
