@@ -64,14 +64,14 @@ MODEL_FAMILIES = ("gpt", "llama", "bert")  # the families of `launch.models` (a 
 class ModelConfig:
     """A transformer of one of the registered families (`launch.models`)."""
 
-    n_layers: int = _f(check=_positive)
-    d_model: int = _f(check=_positive)
-    n_heads: int = _f(check=_positive)
-    ffn: int = _f(check=_positive)
-    seq_len: int = _f(check=_positive)
-    family: str = _f("gpt", _one_of(*MODEL_FAMILIES))
+    n_layers: int = _f(check=_positive)  # transformer blocks
+    d_model: int = _f(check=_positive)  # hidden size
+    n_heads: int = _f(check=_positive)  # attention heads (d_model / n_heads must be even: RoPE)
+    ffn: int = _f(check=_positive)  # MLP hidden size
+    seq_len: int = _f(check=_positive)  # tokens per sequence (context length)
+    family: str = _f("gpt", _one_of(*MODEL_FAMILIES))  # model family: its blocks, norms and tokenizer conventions
     n_kv_heads: int | None = _f(None, _positive)  # grouped-query attention (llama)
-    dropout: float = _f(0.0, _fraction)
+    dropout: float = _f(0.0, _fraction)  # dropout probability
     rope_theta: float = _f(500000.0, _positive)  # RoPE base (llama; Llama 3's default)
 
     @property
@@ -109,8 +109,8 @@ class DataConfig:
     doc_separator: str = _f("blank", lambda v: None if v else "must not be empty")
     text_key: str = _f("text", lambda v: None if v else "must not be empty")  # jsonl / hf: the text field
     dtype: str | None = _f(None, _one_of("uint16", "uint32", "int32"))  # bin: the raw tokens' dtype
-    cache_dir: str | None = _f(None)
-    synthetic_tokens: int = _f(400_000, _positive)
+    cache_dir: str | None = _f(None)  # where prepared token arrays are cached (default: beside the data; CONA_CACHE)
+    synthetic_tokens: int = _f(400_000, _positive)  # size of the generated corpus when there is no path
 
 
 @dataclass(frozen=True)
@@ -136,11 +136,12 @@ class ClusterConfig:
     """Where the workers run. `nodes` in the YAML is a count (`local`, `slurm`), a list of hosts
     (`ssh`; each a string or {host, env, workdir}), or `slurm` (the hosts of the allocation)."""
 
-    nodes: int = _f(1, _positive)
-    procs_per_node: int = _f(1, _positive)
+    nodes: int = _f(1, _positive)  # a count, a list of hosts (ssh) or slurm (the allocation's hosts)
+    procs_per_node: int = _f(1, _positive)  # ranks per node (GPUs per node under nccl)
+    # torch.distributed backend; auto: nccl where ranks have GPUs, else gloo
     backend: str = _f("auto", _one_of("auto", "gloo", "nccl"))
-    threads_per_proc: int | None = _f(None, _positive)
-    launcher: str = _f("local", _one_of(*LAUNCHERS))
+    threads_per_proc: int | None = _f(None, _positive)  # OMP threads per rank (default: the node's CPUs / its ranks)
+    launcher: str = _f("local", _one_of(*LAUNCHERS))  # how nodes are started: local processes, ssh or srun
     head_addr: str | None = _f(None)  # this machine's address on the cluster network (telemetry binds it)
     rdzv_endpoint: str | None = _f(None)  # host[:port] of the c10d store; default head_addr, a free port
     env: dict[str, str] = _empty(dict)  # given to every node
@@ -223,30 +224,33 @@ def _build_cluster(raw: Any) -> ClusterConfig:
 class TrainConfig:
     """Optimiser, schedule (in tokens, so it survives changes of gbs), evaluation and stop rules."""
 
-    lr: float = _f(1e-3, _positive)
+    lr: float = _f(1e-3, _positive)  # peak learning rate at lr_base_gbs
+    # the schedule's final LR as a fraction of lr
     min_lr_ratio: float = _f(0.1, lambda v: None if 0 <= v <= 1 else "must be in [0, 1]")
+    # LR decay after warmup (cosine, linear need decay_tokens or max_tokens)
     schedule: str = _f("cosine", _one_of("constant", "cosine", "linear"))
-    warmup_tokens: int = _f(0, _non_negative)
-    decay_tokens: int | None = _f(None, _positive)
+    warmup_tokens: int = _f(0, _non_negative)  # linear warmup from 0, in tokens
+    decay_tokens: int | None = _f(None, _positive)  # tokens of the decay after warmup (default: max_tokens)
     # adascale: lr·r^½ and the schedule on the progress clock Σ r (launch.lr); sqrt/linear/none: on tokens
     lr_scaling: str = _f("adascale", _one_of("adascale", "sqrt", "linear", "none"))
     lr_base_gbs: int | None = _f(None, _positive)  # the batch lr was tuned at (default: the ladder's lowest rung)
-    weight_decay: float = _f(0.1, _non_negative)
-    beta1: float = _f(0.9, _fraction)
-    beta2: float = _f(0.95, _fraction)
-    grad_clip: float = _f(1.0, _non_negative)
-    seed: int = _f(1234, _non_negative)
-    eval_interval: int | None = _f(None, _positive)
-    eval_interval_s: float | None = _f(None, _positive)
-    eval_tokens: int = _f(8192, _positive)
-    max_steps: int | None = _f(None, _positive)
-    max_tokens: int | None = _f(None, _positive)
-    max_time: float | None = _f(None, _positive)
+    weight_decay: float = _f(0.1, _non_negative)  # AdamW weight decay
+    beta1: float = _f(0.9, _fraction)  # AdamW beta1
+    beta2: float = _f(0.95, _fraction)  # AdamW beta2
+    grad_clip: float = _f(1.0, _non_negative)  # gradient norm clip (0: off)
+    seed: int = _f(1234, _non_negative)  # seed of initialisation and data order
+    eval_interval: int | None = _f(None, _positive)  # steps between evaluations
+    eval_interval_s: float | None = _f(None, _positive)  # seconds between evaluations
+    eval_tokens: int = _f(8192, _positive)  # validation tokens per evaluation (the same slice every time)
+    max_steps: int | None = _f(None, _positive)  # stop rule: optimizer steps
+    max_tokens: int | None = _f(None, _positive)  # stop rule: training tokens
+    max_time: float | None = _f(None, _positive)  # stop rule: seconds of training
+    # stop rule: validation perplexity reached (needs evaluations)
     target_ppl: float | None = _f(None, lambda v: None if v > 1 else "must be > 1")
     # policy ramp: Megatron's --rampup-batch-size START INCREMENT SAMPLES (the batch grows from START by
     # INCREMENT over SAMPLES consumed samples, up to the strategy's global batch)
     rampup_batch_size: list[int] | None = _f(None, _positive)
-    checkpoint_keep: int = _f(2, _positive)
+    checkpoint_keep: int = _f(2, _positive)  # checkpoints kept (older ones are deleted)
     checkpoint_interval: int | None = _f(None, _positive)  # steps between periodic checkpoints
     # Periodic checkpoints every this many seconds of training (null: off). Never more than
     # checkpoint_max_share of the time: each save's measured duration d stretches the wait before the
@@ -255,11 +259,11 @@ class TrainConfig:
     # the most of the training time periodic checkpoints may take
     checkpoint_max_share: float = _f(0.02, lambda v: None if 0 < v <= 1 else "must be in (0, 1]")
     max_restarts: int = _f(3, _non_negative)  # relaunches after failures within restart_window_s
-    restart_window_s: float = _f(3600.0, _positive)
+    restart_window_s: float = _f(3600.0, _positive)  # the window max_restarts counts failures in
     gns: bool = _f(True)  # measure the gradient noise scale every step
     gns_window: float = _f(1024.0, _positive)  # samples over which the GNS smoothing forgets
-    dp_impl: str = _f("ddp", _one_of("ddp", "fsdp"))
-    pp_schedule: str = _f("1f1b", _one_of("1f1b", "gpipe"))
+    dp_impl: str = _f("ddp", _one_of("ddp", "fsdp"))  # data parallelism: DDP or FSDP (sharded)
+    pp_schedule: str = _f("1f1b", _one_of("1f1b", "gpipe"))  # pipeline schedule
     tensorboard: bool = _f(False)  # step, eval and decision metrics as TensorBoard event files too
 
 
@@ -267,26 +271,27 @@ class TrainConfig:
 class SearchConfig:
     """Search space and planner settings (used by `cona search` and the online controller)."""
 
-    hardware: str = _f("cpu-local")
-    gbs_min: int | None = _f(None, _positive)
-    gbs_max: int | None = _f(None, _positive)
+    hardware: str = _f("cpu-local")  # hardware profile name or YAML path (the cost model's device)
+    gbs_min: int | None = _f(None, _positive)  # lowest rung of the ladder (default: gbs_static, else the world size)
+    gbs_max: int | None = _f(None, _positive)  # highest rung (default: 16 x the lowest)
+    # the global batch rungs (default: powers of two from gbs_min to gbs_max)
     gbs_ladder: list[int] | None = _f(None, _positive)
-    mbs: list[int] | None = _f(None, _positive)
-    max_tp: int | None = _f(None, _positive)
-    tp_within_node: bool = _f(True)
-    gbs_static: int | None = _f(None, _positive)
-    precision: str = _f("fp32", _precision)
-    recompute: bool = _f(False)
-    memory_margin: float = _f(0.1, _fraction)
-    exhaustive_max: int = _f(64, _non_negative)
-    budget: int = _f(24, _positive)
-    seed: int = _f(0, _non_negative)
-    n_initial: int = _f(6, _positive)
-    ei_stop: float = _f(1e-4, _fraction)
+    mbs: list[int] | None = _f(None, _positive)  # micro-batch sizes to consider (default: all that divide)
+    max_tp: int | None = _f(None, _positive)  # largest tensor-parallel degree to consider
+    tp_within_node: bool = _f(True)  # keep each TP group inside one node
+    gbs_static: int | None = _f(None, _positive)  # the global batch of policy static (strategy auto) and of search
+    precision: str = _f("fp32", _precision)  # compute precision of training and of the cost model
+    recompute: bool = _f(False)  # activation recomputation (less memory, a recomputed forward)
+    memory_margin: float = _f(0.1, _fraction)  # device memory kept free when judging a strategy feasible
+    exhaustive_max: int = _f(64, _non_negative)  # spaces up to this many strategies are evaluated exhaustively
+    budget: int = _f(24, _positive)  # Bayesian search: evaluations at most
+    seed: int = _f(0, _non_negative)  # Bayesian search seed (and the calibration's)
+    n_initial: int = _f(6, _positive)  # Bayesian search: random points before the model guides it
+    ei_stop: float = _f(1e-4, _fraction)  # Bayesian search stops when expected improvement (relative) falls below this
     # online controller (policy: cona; `control.switch_rule`)
     confidence: float = _f(
         0.99, lambda v: None if 0.5 <= v < 1 else "must be in [0.5, 1)"
-    )  # of the Φ ratio's lower bound
+    )  # the confidence level of the Φ ratio's lower bound
     switch_cost_s: float = _f(5.0, _non_negative)  # initial estimate of a cold relaunch, replaced by measured ones
     warm_switch_cost_s: float = _f(2.0, _non_negative)  # the same for a hand-over to a ready standby
     in_place: bool = _f(True)  # switches that keep dp, tp and pp (pp = 1) resize the running job, no relaunch
