@@ -509,6 +509,11 @@ def cross_field_problem(cfg: Config) -> str | None:
 
 def validate_strategies(cfg: Config) -> None:
     """Refuse an infeasible fixed strategy or chain stage, with the reason."""
+    fixed = ([cfg.strategy] if cfg.strategy is not None else []) + [c.strategy for c in cfg.chain or ()]
+    if cfg.model.dropout > 0 and any(s.tp > 1 for s in fixed):
+        raise ConfigError(
+            f"model.dropout: {cfg.model.dropout:g} with tp > 1 is not supported (TP ranks would share dropout masks)"
+        )
     if cfg.strategy is not None:
         problems = cfg.problems(cfg.strategy)
         if problems:

@@ -5,7 +5,8 @@ probe loss is the run's validation loss on its fixed slice; the GNS in force bef
 is the last smoothed GNS of the step rows. Prints κ with its 95% interval (cona_cli.planner.kappa),
 then, per target perplexity, the tokens each run needed relative to the smallest batch, against what
 Φ_κ predicts from the smallest batch's run (equal loss at equal efficiency clock), at κ = 1 and at
-the fitted κ. Put the fitted value in `search.kappa` to use it.
+the fitted κ: the check that Φ (κ = 1) predicts the token ratios of the recipe that ran. `search.kappa`
+takes a fitted value as an explicit override.
 
     python scripts/fit_kappa.py RUN_DIR RUN_DIR RUN_DIR [--targets 600,400,300]
 """

@@ -147,9 +147,22 @@ def test_every_shipped_config_validates() -> None:
             continue
         cfg = complete_schedule(load_config(path))
         t = cfg.train
-        absent = cfg.data.path is not None and not Path(cfg.data.path).expanduser().exists()  # e.g. no shared/
+        files = [cfg.data.path] + ([cfg.data.tokenizer] if cfg.data.tokenizer not in ("bpe", "byte") else [])
+        absent = any(f is not None and not Path(f).expanduser().exists() for f in files)  # e.g. no shared/
         if any((t.max_steps, t.max_tokens, t.max_time, t.target_ppl)) and not absent:
             result = runner.invoke(app, ["train", str(path), "--dry-run"])
             assert result.exit_code == 0, (path.name, result.output)
             checked += 1
     assert checked >= 4
+
+
+def test_dropout_with_tensor_parallelism_is_refused_and_never_searched() -> None:
+    from cona_cli.planner.hardware import load_hardware
+    from cona_cli.planner.space import enumerate_space
+
+    model = {**TINY["model"], "dropout": 0.1}
+    with pytest.raises(ConfigError, match="model.dropout: 0.1 with tp > 1 is not supported"):
+        config_from_dict({**TINY, "model": model, "strategy": "dp2-tp2-pp1-mbs2-gbs16"}, "t")
+    cfg = config_from_dict({**{k: v for k, v in TINY.items() if k != "strategy"}, "model": model}, "t")
+    space = enumerate_space(cfg, load_hardware("cpu-local"), [16])
+    assert space.feasible and all(s.tp == 1 for s in space.feasible)

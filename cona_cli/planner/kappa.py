@@ -1,8 +1,8 @@
 """κ: how much larger the effective noise scale is than the measured GNS, fitted from loss curves.
 
-Φ_κ = (gbs/T) / (gbs + κ·GNS); κ = 1 is the paper's Φ, the SGD-at-its-best-LR model. Under AdamW with
-√gbs LR scaling, an LR schedule and a lagging GNS estimate, the batch size that costs a given number
-of extra samples is larger than GNS says (shared/notes/phi-under-adam.md measured κ ≈ 3–4 here).
+Φ_κ = (gbs/T) / (gbs + κ·GNS). Under the default recipe (`launch.lr`, adascale, the GNS of
+Adam-preconditioned gradients) Φ with κ = 1 is what the training follows; this fit is the check of
+that claim (`scripts/fit_kappa.py` on fixed-batch runs), and `search.kappa` an explicit override.
 
 The model: a sample at batch b and noise scale G is worth 1 / (1 + b / (κ G)) of a sample at b → 0,
 so each curve's progress runs on an efficiency clock m(n) = Σ Δn_k / (1 + b_k / (κ G_k)), and the loss

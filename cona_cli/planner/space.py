@@ -68,6 +68,8 @@ def enumerate_space(cfg: Config, hw: HardwareProfile, ladder: list[int] | None =
     limits = []
     if cfg.search.max_tp:
         limits.append((lambda s: s.tp > cfg.search.max_tp, f"tp > search.max_tp {cfg.search.max_tp}"))
+    if cfg.model.dropout > 0:  # TP ranks would share dropout masks (launch.parallelize refuses it)
+        limits.append((lambda s: s.tp > 1, f"tp > 1 with model.dropout {cfg.model.dropout:g}"))
     if cfg.search.tp_within_node:
         limits.append((lambda s: s.tp > ppn, f"tp spans nodes (> procs_per_node {ppn})"))
     candidates, rejected = [], []
