@@ -50,7 +50,10 @@ def test_a_run_with_a_switch_is_in_tensorboard(tmp_path: Path) -> None:
         {"dp": 4, "tp": 1, "pp": 1, "mbs": 2, "gbs": 8, "steps": 3},
         {"dp": 2, "tp": 1, "pp": 2, "mbs": 2, "gbs": 16},
     ]
-    doc = {**TINY, "strategy": None, "train": {**TINY["train"], "max_steps": 5, "tensorboard": True}}
+    # beta2 0.5: the GNS estimator is held for 1 / (1 - beta2) = 2 steps after a start or a change of batch,
+    # so step 3 measures it (before the switch into gbs 16 holds it again).
+    train = {**TINY["train"], "max_steps": 5, "tensorboard": True, "beta2": 0.5}
+    doc = {**TINY, "strategy": None, "train": train}
     cfg = write_config(tmp_path / "tiny.yaml", doc)
     (tmp_path / "chain.yaml").write_text(yaml.safe_dump({"chain": chain}))
     run = tmp_path / "run"
@@ -71,6 +74,7 @@ def test_a_run_with_a_switch_is_in_tensorboard(tmp_path: Path) -> None:
             assert scalars[tag].keys() == expected.keys(), tag
             assert all(scalars[tag][s] == pytest.approx(v, rel=1e-6) for s, v in expected.items()), tag
     assert sorted(scalars["train/loss"]) == [1, 2, 3, 4, 5] and sorted(scalars["eval/val_ppl"]) == [0, 5]
+    assert sorted(scalars["gns/gns"]) == [3]
     assert [scalars["strategy/gbs"][s] for s in range(1, 6)] == [8, 8, 8, 16, 16]
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     switch = next(e for e in events if e["kind"] == "switch")
