@@ -61,18 +61,36 @@ class NoiseScale:
         return asdict(self)
 
 
-def pooled_noise_scale(grad_sq: list[float], trace: list[float]) -> tuple[float, float] | None:
-    """GNS from several steps' raw estimates, mean(tr Σ) / mean(|G|²), and the standard deviation of its
-    log (delta method over the steps' spread and covariance); None with fewer than 3 steps or a mean
+@dataclass(frozen=True)
+class NoiseInterval:
+    """A pooled GNS estimate and one-sided confidence bounds on it (`high` may be infinite)."""
+
+    value: float
+    low: float
+    high: float
+
+
+def pooled_noise_scale(grad_sq: list[float], trace: list[float], confidence: float) -> NoiseInterval | None:
+    """GNS from several steps' raw two-batch estimates, mean(tr Σ) / mean(|G|²), with Fieller's bounds
+    for a ratio of correlated means at the one-sided `confidence` level (Student's t, n - 1 degrees of
+    freedom). Unlike a linearised error, Fieller's bounds stay honest when mean(|G|²) is barely above 0,
+    where the ratio explodes: the upper bound is then infinite. None with fewer than 3 steps or a mean
     that is not positive yet."""
+    from scipy.stats import t as student_t
+
     n = len(grad_sq)
     if n < 3:
         return None
-    g_mean, t_mean = sum(grad_sq) / n, sum(trace) / n
-    if g_mean <= 0 or t_mean <= 0:
+    g, tr = sum(grad_sq) / n, sum(trace) / n
+    if g <= 0 or tr <= 0:
         return None
-    var_g = sum((g - g_mean) ** 2 for g in grad_sq) / (n - 1)
-    var_t = sum((t - t_mean) ** 2 for t in trace) / (n - 1)
-    cov = sum((g - g_mean) * (t - t_mean) for g, t in zip(grad_sq, trace)) / (n - 1)
-    rel_var = (var_t / t_mean**2 + var_g / g_mean**2 - 2 * cov / (t_mean * g_mean)) / n
-    return t_mean / g_mean, math.sqrt(max(rel_var, 0.0))
+    var_g = sum((x - g) ** 2 for x in grad_sq) / (n - 1) / n  # variances of the means
+    var_t = sum((x - tr) ** 2 for x in trace) / (n - 1) / n
+    cov = sum((x - g) * (y - tr) for x, y in zip(grad_sq, trace)) / (n - 1) / n
+    q2 = float(student_t.ppf(confidence, n - 1)) ** 2
+    # (tr - G g)^2 <= q^2 Var(tr - G g): a G^2 - 2 b G + c <= 0
+    a, b, c = g * g - q2 * var_g, tr * g - q2 * cov, tr * tr - q2 * var_t
+    if a <= 0:  # mean(|G|²) is not clearly positive: the set of plausible G is unbounded above
+        return NoiseInterval(tr / g, 0.0, math.inf)
+    root = math.sqrt(max(b * b - a * c, 0.0))
+    return NoiseInterval(tr / g, max((b - root) / a, 0.0), (b + root) / a)

@@ -33,7 +33,7 @@ from typing import Any
 from cona_cli.config import Config
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.switch_rule import Decision, Estimate, decide
-from cona_cli.gns import pooled_noise_scale
+from cona_cli.gns import NoiseInterval, pooled_noise_scale
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.search import Candidate, SearchResult, search_gbs
@@ -174,10 +174,9 @@ class ConaPolicy(Policy):
     def observe_switch(self, seconds: float, warm: bool = False) -> None:
         (self.warm_switch_costs if warm else self.switch_costs).append(seconds)
 
-    def gns(self) -> Estimate | None:
-        """The GNS of the recent window and its log standard error (None before enough estimates)."""
-        pooled = pooled_noise_scale([g for _, g, _ in self.noise], [t for _, _, t in self.noise])
-        return None if pooled is None else Estimate(*pooled)
+    def gns(self) -> NoiseInterval | None:
+        """The GNS of the recent window with its bounds at `search.confidence` (None before enough estimates)."""
+        return pooled_noise_scale([g for _, g, _ in self.noise], [t for _, _, t in self.noise], self.s.confidence)
 
     def _observe_noise(self, row: dict[str, Any]) -> None:
         if row.get("grad_sq_raw") is None or row.get("trace_raw") is None:
@@ -250,7 +249,7 @@ class ConaPolicy(Policy):
                 out.append(("lower_gbs", s, t))
         return out
 
-    def _decide(self, row: dict[str, Any], gns: Estimate) -> Stage | None:
+    def _decide(self, row: dict[str, Any], gns: NoiseInterval) -> Stage | None:
         cur = self.current.strategy
         t_cur = time_estimate(self._dwell)
         left = self.time_left(row, t_cur.value)
@@ -332,7 +331,7 @@ class ConaPolicy(Policy):
         cand: Strategy | None,
         d: Decision | None,
         why: str,
-        gns: Estimate | None = None,
+        gns: NoiseInterval | None = None,
         t_cur: Estimate | None = None,
         kind: str | None = None,
         left: float | None = None,
@@ -349,7 +348,7 @@ class ConaPolicy(Policy):
             "kappa": self.s.kappa,
         }
         if gns is not None:
-            fields.update(gns=gns.value, gns_log_std=round(gns.log_std, 4))
+            fields.update(gns=gns.value, gns_low=gns.low, gns_high=gns.high if math.isfinite(gns.high) else None)
         if t_cur is not None:
             fields.update(measured_t=t_cur.value, measured_t_log_std=round(t_cur.log_std, 4))
         if cand is not None:

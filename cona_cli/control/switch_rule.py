@@ -2,10 +2,11 @@
 
 Φ(s) = (gbs/T(s)) / (gbs + κ·G) is progress per second (`planner.surrogate`). Over the H seconds the
 run has left, staying makes Φ·H of progress and switching Φ'·(H − C), C the switch's cost, so a
-candidate pays when Φ'/Φ · (H − C)/H > 1. The rule asks this of the ratio's lower confidence bound,
-not of its point estimate: step times and the GNS are log-normal estimates, and the ratio's log
-standard deviation follows from theirs (delta method). A tie within the noise then switches in
-neither direction, and a real gain switches as soon as the measurements can tell it.
+candidate pays when Φ'/Φ · (H − C)/H > 1. The rule asks this of a lower confidence bound of the
+ratio, not of its point estimate: the ratio at the end of the GNS's confidence interval least
+favourable to the candidate (its lower bound for a larger batch, its upper bound for a smaller one),
+less the step times' log-normal error. A tie within the noise then switches in neither direction,
+and a real gain switches as soon as the measurements can tell it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cona_cli.planner.surrogate import phi
+from cona_cli.gns import NoiseInterval
 
 
 @dataclass(frozen=True)
@@ -38,29 +39,36 @@ class Decision:
         return self.ratio_low * self.payback
 
 
+def phi_ratio(gbs: int, t: float, gbs_candidate: int, t_candidate: float, gns: float) -> float:
+    """Φ(candidate) / Φ(current) at noise scale `gns` (which may be infinite: the throughput ratio)."""
+    throughput = (gbs_candidate / t_candidate) / (gbs / t)
+    if math.isinf(gns):
+        return throughput
+    return throughput * (gbs + gns) / (gbs_candidate + gns)
+
+
 def decide(
     gbs: int,
     t_current: Estimate,
     gbs_candidate: int,
     t_candidate: Estimate,
-    gns: Estimate,
+    gns: NoiseInterval,
     switch_cost_s: float,
     time_left_s: float,
     z: float,
     kappa: float = 1.0,
 ) -> Decision:
-    """Compare the running strategy with a candidate at noise scale `gns`; `z` sets the confidence level
-    of the lower bound (e.g. 1.645 for 95 % one-sided)."""
-    g = kappa * gns.value
-    ratio = float(phi(gbs_candidate, t_candidate.value, g) / phi(gbs, t_current.value, g))
-    d_gns = g / (gbs + g) - g / (gbs_candidate + g)  # ∂ log(Φ'/Φ) / ∂ log G
-    log_std = math.sqrt(t_current.log_std**2 + t_candidate.log_std**2 + (d_gns * gns.log_std) ** 2)
-    low = ratio * math.exp(-z * log_std)
+    """Compare the running strategy with a candidate; `gns` carries its bounds at the same confidence
+    level as `z` (e.g. 1.645 for 95 % one-sided)."""
+    ratio = phi_ratio(gbs, t_current.value, gbs_candidate, t_candidate.value, kappa * gns.value)
+    worst = gns.low if gbs_candidate > gbs else gns.high if gbs_candidate < gbs else gns.value
+    log_std = math.hypot(t_current.log_std, t_candidate.log_std)
+    low = phi_ratio(gbs, t_current.value, gbs_candidate, t_candidate.value, kappa * worst) * math.exp(-z * log_std)
     payback = max(0.0, 1.0 - switch_cost_s / time_left_s) if time_left_s > 0 else 0.0
-    d = Decision(low * payback > 1.0, ratio, low, payback, "")
-    verdict = "switch" if d.switch else "stay"
+    switch = low * payback > 1.0
     why = (
-        f"{verdict}: Φ ratio {ratio:.3f}, lower bound {low:.3f} (±{log_std:.3f} in log), "
-        f"× {payback:.3f} for the {switch_cost_s:.2f} s switch in the {time_left_s:.0f} s left = {d.score:.3f}"
+        f"{'switch' if switch else 'stay'}: Φ ratio {ratio:.3f}, lower bound {low:.3f} (GNS {gns.value:.4g} in "
+        f"[{gns.low:.4g}, {gns.high:.4g}], step times ±{log_std:.3f} in log), × {payback:.3f} for the "
+        f"{switch_cost_s:.2f} s switch in the {time_left_s:.0f} s left = {low * payback:.3f}"
     )
-    return Decision(d.switch, ratio, low, payback, why)
+    return Decision(switch, ratio, low, payback, why)
