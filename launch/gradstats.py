@@ -58,8 +58,11 @@ class Preconditioner:
         return torch.dot(pg, pg).double()
 
     def ready(self, pm: ParallelModel) -> bool:
-        """Every parameter has a second moment (the optimizer has stepped)."""
-        return all(p in self.opt.state and "exp_avg_sq" in self.opt.state[p] for p in pm.model.parameters())
+        """Every parameter has a second moment (the optimizer has stepped; checked until it is true)."""
+        self._ready = getattr(self, "_ready", False) or all(
+            p in self.opt.state and "exp_avg_sq" in self.opt.state[p] for p in pm.model.parameters()
+        )
+        return self._ready
 
 
 class NoiseNorms:

@@ -68,8 +68,8 @@ class TrainerState:
     last_eval_time: float = 0.0
     last_eval_step: int | None = None
     best_val_ppl: float | None = None
-    progress_tokens: float | None = None  # the LR schedule's clock (`launch.lr`); None: not started
-    gns_from_step: int | None = None  # the GNS estimator is held until this step (Adam's v̂ settles)
+    progress_tokens: float = 0.0  # the LR schedule's clock (`launch.lr`)
+    gns_from_step: int = 0  # the GNS estimator is held until this step (Adam's v̂ settles)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -178,7 +178,7 @@ class Worker:
     def restore(self, path: Path) -> None:
         saved = checkpoint.load(path, self.pm.model, self.opt)
         self.state = TrainerState(**saved["trainer"])
-        if self.state.progress_tokens is None:  # a checkpoint from before the progress clock
+        if "progress_tokens" not in saved["trainer"]:  # a checkpoint from before the progress clock
             self.state.progress_tokens = float(self.state.consumed_samples * self.seq_len)
         self.saved = (self.state.step, path)
         saved_gbs = Strategy.from_mapping(saved["strategy"]).gbs if "strategy" in saved else self.strategy.gbs
@@ -262,8 +262,6 @@ class Worker:
 
     def train_step(self, want_eval: bool) -> StepOut:
         s, st, t = self.strategy, self.state, self.cfg.train
-        if st.progress_tokens is None:
-            st.progress_tokens = 0.0
         gns = self.noise.gns
         lr = learning_rate(t, st.progress_tokens, s.gbs, gns)
         for group in self.opt.param_groups:
@@ -273,7 +271,7 @@ class Worker:
         micro = to_device(micro, self.device)
         self.opt.zero_grad(set_to_none=True)
         if self.small is not None:
-            self.small.begin_step(measure=st.step >= (st.gns_from_step or 0))
+            self.small.begin_step(measure=st.step >= st.gns_from_step)
         loss_sum = self.pm.forward_backward(micro)
         testhooks.maybe_die(self.run_dir, "step", st.step + 1, self.rank)
         if self.small is not None:

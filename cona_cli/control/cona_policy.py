@@ -57,25 +57,27 @@ def fastest_strategy(cfg: Config, hw: HardwareProfile) -> Strategy:
     return best.strategy
 
 
+def _block_means(logs: list[float]) -> list[float]:
+    return [statistics.fmean(logs[i : i + BLOCK]) for i in range(0, len(logs) - BLOCK + 1, BLOCK)]
+
+
 def time_estimate(times: list[float]) -> Estimate:
     """Median step time and the standard error of its log, by batch means over blocks of `BLOCK`
     consecutive steps (slow spells of the host make neighbouring steps alike: the spread of single
     steps would understate it); with fewer than 3 blocks, from the median absolute deviation."""
     logs = [math.log(t) for t in times]
-    n = len(logs)
-    blocks = [statistics.fmean(logs[i : i + BLOCK]) for i in range(0, n - BLOCK + 1, BLOCK)]
+    blocks = _block_means(logs)
     if len(blocks) >= 3:
         return Estimate(statistics.median(times), statistics.stdev(blocks) / math.sqrt(len(blocks)))
     mid = statistics.median(logs)
     mad = statistics.median(abs(v - mid) for v in logs) * 1.4826  # a robust std of one step
-    return Estimate(statistics.median(times), 1.2533 * mad / math.sqrt(n))  # 1.2533: a median's efficiency
+    return Estimate(statistics.median(times), 1.2533 * mad / math.sqrt(len(logs)))  # 1.2533: a median's efficiency
 
 
 def drift(times: list[float]) -> float:
     """How far the host moves the step time between blocks of `BLOCK` steps (log std; 0 with < 3 blocks):
     the extra error of a step time measured at another moment than the one it is compared with."""
-    logs = [math.log(t) for t in times]
-    blocks = [statistics.fmean(logs[i : i + BLOCK]) for i in range(0, len(logs) - BLOCK + 1, BLOCK)]
+    blocks = _block_means([math.log(t) for t in times])
     return statistics.stdev(blocks) if len(blocks) >= 3 else 0.0
 
 
