@@ -5,7 +5,8 @@ forward/backward, before the step's all-reduce); `N:RANK:save` makes it die insi
 save at step N, after writing its shards and before the commit. Each fires once per run directory
 (a `.test-died-*` file records it), so the relaunched job gets past the same step.
 `CONA_TEST_SAVE_DELAY_S=S` makes every rank linger S seconds inside each save (a wider window for
-random kills).
+random kills); `CONA_TEST_STEP_DELAY_S=S` makes every rank linger S seconds in each training step
+(so that time-based checkpoints fall between given steps on a host of any speed).
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ def maybe_die(run_dir: Path, where: str, step: int, rank: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save_delay() -> None:
-    delay = float(os.environ.get("CONA_TEST_SAVE_DELAY_S", "0") or 0)
+def _linger(variable: str) -> None:
+    delay = float(os.environ.get(variable, "0") or 0)
     if delay > 0:
         time.sleep(delay)
+
+
+def save_delay() -> None:
+    _linger("CONA_TEST_SAVE_DELAY_S")
+
+
+def step_delay() -> None:
+    _linger("CONA_TEST_STEP_DELAY_S")

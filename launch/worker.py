@@ -274,6 +274,7 @@ class Worker:
             self.small.begin_step(measure=st.step >= st.gns_from_step)
         loss_sum = self.pm.forward_backward(micro)
         testhooks.maybe_die(self.run_dir, "step", st.step + 1, self.rank)
+        testhooks.step_delay()
         if self.small is not None:
             self.small.before_dp_reduce()
         self.pm.average_grads()

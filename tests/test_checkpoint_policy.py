@@ -185,7 +185,9 @@ def test_restart_after_a_resize_continues_from_a_periodic_checkpoint_at_its_batc
     train = {**TINY["train"], "max_steps": 16, "eval_interval": None, "rampup_batch_size": [8, 8, 48]}
     train |= {"checkpoint_interval_s": 0.05, "checkpoint_max_share": 1.0, "checkpoint_keep": 50}
     doc = {**TINY, "policy": "ramp", "cluster": {"procs_per_node": 2}, "strategy": STRATEGY, "train": train}
-    proc = _cona(tmp_path, doc, env={"CONA_TEST_DIE_AT_STEP": "14:1"})
+    # Steps linger 0.4 s so that saves (each stretching the wait to its own duration) fall between
+    # step 7 and step 14 on a host of any speed.
+    proc = _cona(tmp_path, doc, env={"CONA_TEST_DIE_AT_STEP": "14:1", "CONA_TEST_STEP_DELAY_S": "0.4"})
     run = tmp_path / "run"
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = _rows(run / "events.jsonl")
@@ -204,6 +206,6 @@ def test_restart_after_a_resize_continues_from_a_periodic_checkpoint_at_its_batc
     assert again[0]["consumed_samples"] == saved["trainer"]["consumed_samples"] + 16
     assert {r["gbs"] for r in again} == {16}
     first = {r["step"]: r for r in rows if r["launch"] == 1}
-    assert first[relaunch["step"] + 1]["gbs"] == 16  # what the killed launch ran after that checkpoint
+    assert first[relaunch["step"]]["gbs"] == 16  # the killed launch ran the checkpointed step at that batch
     overhead = sum(e["seconds"] for e in periodic) / max(e["time"] for e in periodic)
     print(f"periodic saves: {len(periodic)}, {overhead:.1%} of run time at share 1.0")
