@@ -4,6 +4,11 @@ and asserts the token ids the model sees, i.e. what `TokenStream` reads from the
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +20,7 @@ from launch.data.corpus import prepare_corpus
 from launch.data.sampling import TokenStream
 from launch.data.sources import FLAT_DOC_TOKENS, DataError
 from launch.models import padded_vocab
+from tests.support import REPO, TINY, write_config
 
 EOS = 256  # `byte` with a causal family: GPT-2's <|endoftext|> after the 256 bytes
 
@@ -245,3 +251,125 @@ def test_bad_input_is_one_line_naming_the_field(tmp_path: Path) -> None:
                 {"model": {"n_layers": 1, "d_model": 8, "n_heads": 2, "ffn": 8, "seq_len": 8}, "data": raw}
             )
     assert DataConfig(vocab_size=128_256).vocab_size == 128_256
+
+
+# -- `cona train` on each format ---------------------------------------------------------------------
+# One process, 3 steps, from the config to metrics.jsonl. A text folder trains end to end in
+# tests/test_export.py (test_tokenizer_json_above_65535_trains_and_exports); these are the other formats.
+
+TRAIN_TOKENS, VALID_TOKENS, VOCAB = 3000, 600, 300
+
+
+def _write_jsonl(d: Path) -> tuple[dict, list[int], list[int]]:
+    train = [f"document {i}: {'word ' * (i % 7)}end" for i in range(120)]
+    valid = [f"held out {i}" for i in range(30)]
+    for name, docs in (("train.jsonl", train), ("val.jsonl", valid)):
+        (d / name).write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(docs)))
+    return {"path": str(d), "tokenizer": "byte"}, byte_ids(*train), byte_ids(*valid)
+
+
+def _flat_tokens() -> tuple[np.ndarray, np.ndarray]:
+    return np.arange(TRAIN_TOKENS) * 7 % VOCAB, np.arange(VALID_TOKENS) * 11 % VOCAB
+
+
+def _write_bin(d: Path) -> tuple[dict, list[int], list[int]]:
+    train, valid = _flat_tokens()
+    train.astype(np.uint16).tofile(d / "train.bin")
+    valid.astype(np.uint16).tofile(d / "val.bin")
+    return {"path": str(d), "dtype": "uint16", "vocab_size": VOCAB}, train.tolist(), valid.tolist()
+
+
+def _write_npy(d: Path) -> tuple[dict, list[int], list[int]]:
+    train, valid = _flat_tokens()
+    np.save(d / "train.npy", train.astype(np.int32))
+    np.save(d / "val.npy", valid.astype(np.int64))
+    return {"path": str(d), "vocab_size": VOCAB}, train.tolist(), valid.tolist()
+
+
+def _write_megatron(d: Path) -> tuple[dict, list[int], list[int]]:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    train, valid = _flat_tokens()
+    for prefix, tokens in (("corpus_text_document", train), ("held_text_document", valid)):
+        builder = IndexedDatasetBuilder(str(d / f"{prefix}.bin"), dtype=np.int32)
+        for doc in np.array_split(tokens, 20):  # Megatron documents: kept as written, no EOS added
+            builder.add_document(torch.tensor(doc), [len(doc)])
+        builder.finalize(str(d / f"{prefix}.idx"))
+    data = {"path": str(d / "corpus_text_document"), "valid_path": str(d / "held_text_document"), "vocab_size": VOCAB}
+    return data, train.tolist(), valid.tolist()
+
+
+def _write_hf(d: Path) -> tuple[dict, list[int], list[int]]:
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed (pip install -e '.[hf]')")
+    train = [f"row {i} of the training split" for i in range(100)]
+    valid = [f"validation row {i}" for i in range(25)]
+    splits = {"train": train, "validation": valid}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}).save_to_disk(
+        str(d / "dd")
+    )
+    return {"path": str(d / "dd"), "tokenizer": "byte"}, byte_ids(*train), byte_ids(*valid)
+
+
+WRITERS = {"jsonl": _write_jsonl, "bin": _write_bin, "npy": _write_npy, "megatron": _write_megatron, "hf": _write_hf}
+
+
+def _train(base: Path, data: dict, fmt: str) -> subprocess.CompletedProcess:
+    """`cona train` of the tiny model on `data`: one process, 3 steps, an evaluation at the last."""
+    seq = TINY["model"]["seq_len"]
+    doc = {
+        **TINY,
+        "data": {**data, "format": fmt},
+        "cluster": {"procs_per_node": 1},
+        "strategy": "dp1-tp1-pp1-mbs2-gbs4",
+        "train": {**TINY["train"], "max_steps": 3, "eval_interval": 3, "eval_tokens": 4 * seq},
+    }
+    cmd = [sys.executable, "-c", "from cona_cli.app import main; main()", "train"]
+    cmd += [str(write_config(base / "c.yaml", doc)), "--run-dir", str(base / "run")]
+    env = {**os.environ, "CONA_CACHE": str(base / "cache")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
+
+
+@pytest.fixture(scope="module")
+def format_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple]]:
+    """Every format's files and its `cona train`, all at once (each run waits mostly on its worker's start):
+    format -> (run folder, train ids, valid ids, future of the finished process), or the skip reason."""
+    runs: dict[str, tuple] = {}
+    with ThreadPoolExecutor(max_workers=len(WRITERS)) as pool:
+        for fmt, write in WRITERS.items():
+            base = tmp_path_factory.mktemp(f"train-{fmt}")
+            (base / "data").mkdir()
+            try:
+                data, train, valid = write(base / "data")
+            except pytest.skip.Exception as e:
+                runs[fmt] = (str(e),)
+                continue
+            runs[fmt] = (base / "run", train, valid, pool.submit(_train, base, data, fmt))
+        yield runs
+
+
+@pytest.mark.e2e
+@pytest.mark.filterwarnings("ignore")  # megatron-core: "Transformer Engine and Apex are not installed"
+@pytest.mark.parametrize("fmt", WRITERS)
+def test_cona_train_on_each_format(fmt: str, format_runs: dict[str, tuple]) -> None:
+    """`cona train` exits 0 after its 3 steps, and the corpus it recorded is the one written in `fmt`:
+    the token ids the model sees, its vocabulary, and whether the tokens came without a tokenizer."""
+    if len(format_runs[fmt]) == 1:
+        pytest.skip(format_runs[fmt][0])
+    run, train, valid, future = format_runs[fmt]
+    proc = future.result()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in steps)
+    assert [r["step"] for r in rows if r["kind"] == "eval"][-1] == 3
+    corpus = json.loads((run / "corpus.json").read_text())
+    assert seen(corpus["train_path"]) == train and seen(corpus["valid_path"]) == valid
+    assert corpus["n_train_tokens"] == len(train) and corpus["n_valid_tokens"] == len(valid)
+    if fmt in ("bin", "npy", "megatron"):  # token ids as given: the configured vocabulary, no tokenizer
+        assert corpus["pretokenized"] and corpus["tokenizer_path"] is None and corpus["vocab_size"] == VOCAB
+    else:  # text through the byte tokenizer, an EOS after each document
+        assert not corpus["pretokenized"] and Path(corpus["tokenizer_path"]).is_file()
+        assert corpus["vocab_size"] == 257 and corpus["eos_id"] == EOS
