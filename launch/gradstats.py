@@ -9,6 +9,13 @@ The noise scale is measured on Adam-preconditioned gradients, P g with P = 1 / (
 (v̂ the bias-corrected second moment after the previous step; AdaptDL's AdamGradientNoiseScale): the
 noise scale of the updates Adam takes, which is what sets the batch it can use. P is the same for both
 batches of a step, so the two-batch estimator stays unbiased for |P G|² and tr(P Σ P).
+
+The parameters indexed by token id (the family's `vocab_params`: embeddings, output heads) are left
+out. A rare token's row gets a gradient in few steps, so its v̂ is tiny and P there is huge: those
+rows, almost pure sampling noise, then make up nearly all of tr(P Σ P). Measured along gbs-8 runs,
+WikiText-2 with 8,192 and 16,384 ids, they put the estimate at 1,000–40,000 where the rest of the model
+reads 10–90 (whether |g|² is weighted by P², by P or not at all), and 10–90 is what the token ratios of
+batches 8 and 32 at one LR imply (docs/switching.md).
 """
 
 from __future__ import annotations
@@ -76,13 +83,18 @@ class NoiseNorms:
     `big_share()` is |P G_big|^2. Hooks only queue 0-d tensors; nothing is read on the host here.
     """
 
-    def __init__(self, pm: ParallelModel, opt: torch.optim.Optimizer) -> None:
+    def __init__(self, pm: ParallelModel, opt: torch.optim.Optimizer, vocab_params: tuple[str, ...]) -> None:
         self.pm = pm
         self.precond = Preconditioner(opt)
         self.active = False  # this step measures (the worker holds the estimator while v̂ settles)
         self._pending: list[torch.Tensor] = []
-        self._tied_first: list[tuple[nn.Parameter, torch.Tensor]] = []  # first micro-batch pieces of tied copies
         self._hooks: dict[nn.Parameter, torch.utils.hooks.RemovableHandle] = {}
+        named = pm.model.named_parameters(remove_duplicate=False)
+        left_out = {id(p) for name, p in named if name in vocab_params}
+        if any(id(t) not in left_out for t in pm.tied):
+            raise ValueError("a tied parameter outside the family's vocab_params: the noise scale cannot count it")
+        self.params = [p for p in pm.model.parameters() if id(p) not in left_out]
+        self._measured = {id(p) for p in self.params}
         if isinstance(pm.wrapped, DDP):  # DDP is only built with dp > 1
             pm.wrapped.register_comm_hook(pm.wrapped.process_group, self._ddp_hook)
         self.resize()
@@ -102,20 +114,15 @@ class NoiseNorms:
         """`measure`: this step feeds the estimator (needs every parameter's second moment)."""
         self.active = measure and self.available and self.precond.ready(self.pm)
         self._pending.clear()
-        self._tied_first.clear()
         if self.active and self._first_microbatch:  # each hook removes itself after the first micro-batch
-            for p in self.pm.model.parameters():
+            for p in self.params:
                 self._hooks[p] = p.register_post_accumulate_grad_hook(self._first_microbatch_hook)
 
     def before_dp_reduce(self) -> None:
         """The step's backward passes are done and our own dp all-reduce (if any) is about to run: read the
-        local replica gradients first; sum the tied copies' first micro-batch gradients over the end stages."""
+        local replica gradients first."""
         if not self.active:
             return
-        if self._tied_first:
-            self.pm.sum_tied([g for _, g in self._tied_first])
-            if self.pm.is_first:
-                self._pending += [self.precond.sq(p, g) for p, g in self._tied_first if self._counts(g, ("tp",))]
         if self.pm.dp_group is not None:
             self._pending += self._precond_sqs(("tp",))
 
@@ -138,10 +145,10 @@ class NoiseNorms:
 
     def _precond_sqs(self, dims: tuple[str, ...]) -> list[torch.Tensor]:
         """Per-parameter |P g|^2 of the pieces this rank counts along `dims` (gradients in their
-        parameters' layouts, so that each piece lines up with its second moment; tied copies once)."""
+        parameters' layouts, so that each piece lines up with its second moment)."""
         out = []
-        for p in self.pm.model.parameters():
-            if p.grad is None or self.pm.is_tied_copy(p):
+        for p in self.params:
+            if p.grad is None:
                 continue
             g = in_param_layout(p, p.grad)
             if self._counts(g, dims):
@@ -153,14 +160,16 @@ class NoiseNorms:
         # make them strings it rejects. (state: the process group; returns allreduce's future.)
         # Pure data parallelism (tp = pp = 1): every local gradient is the whole replica's.
         if self.active:
-            self._pending += [self.precond.sq(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+            self._pending += [
+                self.precond.sq(p, g)
+                for p, g in zip(bucket.parameters(), bucket.gradients())
+                if id(p) in self._measured
+            ]
         return allreduce_hook(state, bucket)
 
     @torch.no_grad()
     def _first_microbatch_hook(self, p: nn.Parameter) -> None:
         self._hooks.pop(p).remove()
         g = in_param_layout(p, p.grad)
-        if any(p is t for t in self.pm.tied):  # one end stage's part of the gradient: summed later
-            self._tied_first.append((p, g.clone()))
-        elif self._counts(g, ("tp",)):
+        if self._counts(g, ("tp",)):
             self._pending.append(self.precond.sq(p, g))

@@ -144,7 +144,7 @@ class Worker:
         self.memory_estimate = self.files.memory_estimates().get(str(strategy))  # the planner's, from the controller
         self.timeouts_shortened = False
         self.state = TrainerState()
-        self.small = NoiseNorms(self.pm, self.opt) if t.gns and t.dp_impl == "ddp" else None
+        self.small = NoiseNorms(self.pm, self.opt, self.spec.vocab_params) if t.gns and t.dp_impl == "ddp" else None
         self.noise = NoiseScale(window=t.gns_window)
         self.gns_hold = math.ceil(1 / (1 - t.beta2))  # steps for Adam's second moment to describe a new batch
         self.state.gns_from_step = self.gns_hold  # held at the start, and after each change of batch

@@ -96,7 +96,8 @@ FAMILY_MODEL = {"gpt": {}, "llama": {"n_heads": 8, "n_kv_heads": 4}, "bert": {}}
     [(4, "2-2-1,1-2-2", "gpt"), (2, "1-1-2,2-1-1", "gpt"), (4, "1-2-2,2-1-2", "llama"), (4, "1-2-2,2-1-2", "bert")],
 )
 def test_shard_sums_equal_single_process(tiny_run_dir: Path, nproc: int, layouts: str, family: str) -> None:
-    """Tied embeddings (gpt, bert) under pp > 1 count once: summed end-stage copies, first micro-batch too."""
+    """Every layout counts the same parameters once: all but the family's vocab_params (embeddings and
+    output heads, tied copies under pp > 1 included), first micro-batch (dp = 1) too."""
     if family != "gpt":
         _family_run_dir(tiny_run_dir, family)
     if nproc == 2:  # the tiny config has 4 ranks; this job runs on 2

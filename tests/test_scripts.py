@@ -218,3 +218,25 @@ def test_bench_layouts_times_every_layout_of_two_ranks(tmp_path: Path) -> None:
     assert number(r"torchrun start-up \(launch to first step\): ([\d.]+) s", text) > 0
     assert number(r"DCP save [\d.]+ s, load \(resharded dp2->tp2\) [\d.]+ s, ([\d.]+) MB", text) > 0
     assert number(r"\(1,1,1\) step: cona .* ratio ([\d.]+)", text) > 0
+
+
+def test_gns_vocab_share_prints_estimates_with_and_without_the_vocab_params() -> None:
+    proc = run_script(
+        "gns_vocab_share.py",
+        "--config",
+        str(REPO / "configs" / "tiny.yaml"),
+        "--steps",
+        "4",
+        "--every",
+        "2",
+        "--batches",
+        "2",
+        "--gbs",
+        "4",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in rows] == ["2", "4"], proc.stdout
+    for line in rows:
+        whole, without = line.split("| whole model: ")[1].split(" | without vocab params: ")
+        assert [w for w in whole.split()[::2]] == ["P2", "P", "1"] == [w for w in without.split()[::2]], line

@@ -226,4 +226,5 @@ SPEC = ModelSpec(
     target_fraction=MASK_RATE,
     special_tokens=SPECIAL_TOKENS,
     tied=("tok_embeddings.weight",),
+    vocab_params=("tok_embeddings.weight", "head.bias"),
 )

@@ -175,4 +175,5 @@ SPEC = ModelSpec(
     shape=gpt_shape,
     hf=HFExport("GPT2LMHeadModel", hf_config, hf_tensors),
     tied=("tok_embeddings.weight",),
+    vocab_params=("tok_embeddings.weight",),
 )

@@ -192,4 +192,5 @@ SPEC = ModelSpec(
     batch=causal_lm_batch,
     shape=llama_shape,
     hf=HFExport("LlamaForCausalLM", hf_config, hf_tensors),
+    vocab_params=("tok_embeddings.weight", "output.weight"),
 )

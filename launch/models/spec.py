@@ -73,3 +73,6 @@ class ModelSpec:
     """Tokens the tokenizer adds after the corpus's own (the corpus cache key includes them)."""
     tied: tuple[str, ...] = ()
     """Parameters the first and the last pipeline stage both hold (tied input/output embeddings)."""
+    vocab_params: tuple[str, ...] = ()
+    """Parameters indexed by token id (embeddings, output heads and their biases; the tied ones among
+    them): the gradient noise scale leaves them out (see `launch.gradstats`)."""

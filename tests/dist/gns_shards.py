@@ -2,7 +2,8 @@
 
 Both measure Adam-preconditioned gradients, P g with P = 1 / (√(v / (1 - β2^t)) + ε): the optimizer
 state is set by hand to v = θ² + V0 at step t = STEP for every parameter (the same function of the
-same initial weights in both), so the reference computes P from the full weights.
+same initial weights in both), so the reference computes P from the full weights. Both leave out the
+family's vocab_params (embeddings, output heads).
 
 Usage: torchrun --standalone --nproc-per-node W tests/dist/gns_shards.py RUN_DIR OUT_JSON dp-tp-pp[,dp-tp-pp]
 """
@@ -56,7 +57,8 @@ def reference(cfg, corpus: CorpusInfo, s: Strategy) -> tuple[float, float]:
     def grad_sq(x: torch.Tensor, y: torch.Tensor) -> float:
         model.zero_grad()
         spec.loss(model(x), y).backward()
-        return float(sum((p.grad * precond[n]).double().pow(2).sum() for n, p in model.named_parameters()))
+        counted = [(n, p) for n, p in model.named_parameters() if n not in spec.vocab_params]
+        return float(sum((p.grad * precond[n]).double().pow(2).sum() for n, p in counted))
 
     big = grad_sq(*stream.samples(0, s.gbs))
     if s.dp > 1:

@@ -1,0 +1,107 @@
+"""Diagnostic: the two-batch GNS along a one-process AdamW run, with and without the vocab parameters.
+
+Trains the config's model at one global batch (linear warmup, then the config's lr: no schedule, so the
+estimate is read at a fixed LR), and every `--every` steps draws `--batches` independent batches of the
+same size from samples the run never trains on. From their gradients it prints the two-batch estimate
+B = tr(W Σ) / Gᵀ W G with the squared gradient weighted by W = P² (what Adam's update sees, P = 1/(√v̂+ε)),
+W = P and W = 1, over the whole model and over all but the family's `vocab_params` (embeddings, output
+heads). One process, fixed sample indices: the figures do not depend on the host's speed.
+
+    python scripts/gns_vocab_share.py [--config configs/wikitext2-commheavy.yaml] [--gbs 8] [--steps 1200]
+        [--every 100] [--batches 16] [--data PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+HELD_OUT = 50_000_000  # sample index where the measuring batches start (epochs wrap; the run never gets there)
+WEIGHTS = (("P2", 2), ("P", 1), ("1", 0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="gns_vocab_share.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(REPO / "configs" / "wikitext2-commheavy.yaml"))
+    ap.add_argument("--data", help="data.path (default: the config's)")
+    ap.add_argument("--gbs", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--every", type=int, default=100)
+    ap.add_argument("--batches", type=int, default=16, help="independent batches per measurement (>= 2)")
+    args = ap.parse_args()
+    if args.batches < 2 or args.gbs < 1 or args.every < 1:
+        ap.error("--batches must be >= 2, --gbs and --every >= 1")
+
+    import torch
+
+    from cona_cli.config import load_config
+    from cona_cli.gns import two_batch_estimate
+    from launch.data.corpus import prepare_corpus
+    from launch.data.sampling import TokenStream
+    from launch.materialise import build_model
+    from launch.models import get_spec
+    from launch.optimizer import adamw
+
+    cfg = load_config(args.config, {"data.path": args.data} if args.data else None)
+    m, t = cfg.model, cfg.train
+    torch.manual_seed(t.seed)
+    spec = get_spec(m.family)
+    corpus = prepare_corpus(cfg.data, t.seed, spec.special_tokens)
+    model = build_model(spec, m, corpus.vocab_size, t.seed, torch.device("cpu"), 0, 1)
+    stream = TokenStream(corpus.train_path, m.seq_len, t.seed, spec.batch(corpus.vocab_size))
+    opt = adamw(model, t.lr, (t.beta1, t.beta2), t.weight_decay)
+    b, n = args.gbs, args.batches
+    print(f"{args.config}: {m.family}, vocab_params {', '.join(spec.vocab_params)}; gbs {b}, {n} batches per read")
+
+    def backward(start: int) -> float:
+        model.zero_grad(set_to_none=True)
+        x, y = stream.samples(start, b)
+        loss = spec.loss(model(x), y)
+        loss.backward()
+        return loss.item()
+
+    def gradient(start: int) -> dict[str, torch.Tensor]:
+        backward(start)
+        return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+    def estimate(grads: list[dict[str, torch.Tensor]], power: int, names: list[str]) -> float:
+        precond = {}
+        for k, p in model.named_parameters():
+            state = opt.state[p]
+            v_hat = state["exp_avg_sq"] / (1 - t.beta2 ** float(state["step"]))
+            precond[k] = (1 / (v_hat.sqrt() + opt.param_groups[0]["eps"])) ** power
+
+        def sq(g: dict[str, torch.Tensor]) -> float:
+            return sum(float((g[k].double() ** 2 * precond[k]).sum()) for k in names)
+
+        mean = {k: sum(g[k] for g in grads) / n for k in names}
+        grad_sq, trace = two_batch_estimate(b, sum(sq(g) for g in grads) / n, b * n, sq(mean))
+        return trace / grad_sq if grad_sq > 0 else math.inf
+
+    every_name = [k for k, _ in model.named_parameters()]
+    counted = [k for k in every_name if k not in spec.vocab_params]
+    for step in range(1, args.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = t.lr * min(1.0, step * b * m.seq_len / max(t.warmup_tokens, 1))
+        loss = backward((step - 1) * b)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        if step % args.every:
+            continue
+        grads = [gradient(HELD_OUT + (step * n + i) * b) for i in range(n)]
+        cells = [f"{name} {estimate(grads, power, every_name):,.0f}" for name, power in WEIGHTS]
+        cells += [f"{name} {estimate(grads, power, counted):,.0f}" for name, power in WEIGHTS]
+        print(
+            f"step {step} loss {loss:.3f} (ppl {math.exp(loss):,.0f}) | whole model: {' '.join(cells[:3])}"
+            f" | without vocab params: {' '.join(cells[3:])}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
