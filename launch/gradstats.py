@@ -13,9 +13,9 @@ batches of a step, so the two-batch estimator stays unbiased for |P G|² and tr(
 The parameters indexed by token id (the family's `vocab_params`: embeddings, output heads) are left
 out. A rare token's row gets a gradient in few steps, so its v̂ is tiny and P there is huge: those
 rows, almost pure sampling noise, then make up nearly all of tr(P Σ P). Measured along gbs-8 runs,
-WikiText-2 with 8,192 and 16,384 ids, they put the estimate at 1,000–40,000 where the rest of the model
-reads 10–90 (whether |g|² is weighted by P², by P or not at all), and 10–90 is what the token ratios of
-batches 8 and 32 at one LR imply (docs/switching.md).
+WikiText-2 with 8,192 and 16,384 ids (`scripts/gns_vocab_share.py`), they put the estimate at 100 to
+unbounded where the rest of the model reads 5–90 (whether |g|² is weighted by P², by P or not at all),
+and 10–90 is what the token ratios of batches 8 and 32 at one LR imply (docs/switching.md).
 """
 
 from __future__ import annotations
