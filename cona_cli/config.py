@@ -46,7 +46,7 @@ def _one_of(*choices: str) -> Check:
 def _precision(v: Any) -> str | None:
     if v == "fp16":
         return "fp16 needs loss scaling, which the engine does not do; use bf16"
-    return _one_of("fp32", "bf16")(v)
+    return _one_of("auto", "fp32", "bf16")(v)
 
 
 def _f(default: Any = dataclasses.MISSING, check: Check | None = None) -> Any:
@@ -150,6 +150,9 @@ class ClusterConfig:
     ssh_args: list[str] = _empty(list)  # extra ssh options, e.g. [-p, "2222", -i, key]
     srun_args: list[str] = _empty(list)  # extra srun options
     sbatch_options: list[str] = _empty(list)  # #SBATCH lines for `cona train --sbatch`
+    # `--sbatch` scripts: Slurm sends SIGUSR1 this many seconds before the time limit; the controller
+    # checkpoints, requeues the job, and the requeued script resumes the run folder.
+    requeue_signal_s: int = _f(300, _positive)
     probe_timeout_s: float = _f(30.0, _positive)  # how long nodes wait to see each other's probe files
     # Pre-warm the next launch while one trains, so switches skip start-up (one import per node, forkrun).
     standby: bool = _f(True, lambda v: None if isinstance(v, bool) else "must be true or false")
@@ -280,7 +283,9 @@ class SearchConfig:
     max_tp: int | None = _f(None, _positive)  # largest tensor-parallel degree to consider
     tp_within_node: bool = _f(True)  # keep each TP group inside one node
     gbs_static: int | None = _f(None, _positive)  # the global batch of policy static (strategy auto) and of search
-    precision: str = _f("fp32", _precision)  # compute precision of training and of the cost model
+    # Compute precision of training and of the cost model: bf16 (fp32 master weights, gradients and Adam
+    # moments), fp32, or auto: bf16 on CUDA ranks and GPU profiles with a bf16 peak, fp32 on CPUs.
+    precision: str = _f("auto", _precision)
     recompute: bool = _f(False)  # activation recomputation (less memory, a recomputed forward)
     memory_margin: float = _f(0.1, _fraction)  # device memory kept free when judging a strategy feasible
     exhaustive_max: int = _f(64, _non_negative)  # spaces up to this many strategies are evaluated exhaustively

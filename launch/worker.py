@@ -53,6 +53,7 @@ from launch.layout import Layout, build_layout
 from launch.lr import learning_rate, progress_tokens
 from launch.models import get_spec
 from launch.models.spec import IGNORE_INDEX, Batch
+from launch.precision import resolve_precision
 from launch.telemetry_client import TelemetryClient
 
 _STOP_COMMAND, _STOP_TIME, _STOP_SWITCH = 1.0, 2.0, 3.0
@@ -130,6 +131,7 @@ class Worker:
         m = cfg.model
         self.spec = get_spec(m.family)
         self.seq_len = m.seq_len
+        self.precision = resolve_precision(cfg.search.precision, self.device)  # what runs (auto resolved)
         self.batch = self.spec.batch(corpus.vocab_size)  # the family's (windows, sample ids) -> (inputs, targets)
         self.train_stream = TokenStream(corpus.train_path, m.seq_len, cfg.train.seed, self.batch)
         self.valid_path = corpus.valid_path
@@ -486,7 +488,7 @@ class Worker:
                     "progress_tokens": round(st.progress_tokens, 1),
                     "grad_norm": out.grad_norm,
                     "launch": self.launch,
-                    "precision": self.cfg.search.precision,
+                    "precision": self.precision,
                     "recompute": self.cfg.search.recompute,
                     **out.memory,
                     **out.noise,

@@ -58,6 +58,7 @@ def make_config(cpu: bool, world: int) -> Config:
             "data": {"tokenizer": "byte", "synthetic_tokens": 40_000 if cpu else 4_000_000},
             "cluster": {"procs_per_node": world, "backend": "gloo" if cpu else "auto"},
             "train": {"lr": 1e-3, "warmup_tokens": 0, "seed": 7, "max_steps": 100, "grad_clip": 1.0, "gns": False},
+            "search": {"precision": "fp32"},  # the layout rows compare fp32 runs; the bf16 rows set theirs
             "strategy": f"dp{world}-tp1-pp1-mbs1-gbs{world}",
         },
         "gpu_checks",

@@ -18,6 +18,7 @@ from cona_cli.commands.errors import fail
 from cona_cli.config import Config, ConfigError, load_config
 from cona_cli.overrides import parse_sets
 from cona_cli.planner.hardware import HardwareProfile, load_hardware
+from cona_cli.planner.memory import compute_precision
 from cona_cli.planner.space import gbs_ladder
 from cona_cli.planner.workload import Workload
 
@@ -174,10 +175,9 @@ def search_command(
     from cona_cli.planner.search import plan
 
     w = Workload.from_config(cfg)
-    if cfg.search.precision not in hw.peak_tflops:
-        raise fail(
-            "cona search", f"hardware {hw.name}: no peak_tflops for search.precision {cfg.search.precision}"
-        ) from None
+    precision = compute_precision(cfg.search.precision, hw)
+    if precision not in hw.peak_tflops:
+        raise fail("cona search", f"hardware {hw.name}: no peak_tflops for search.precision {precision}") from None
     ladder = gbs_ladder(cfg) if all_gbs else [gbs or cfg.search.gbs_static or gbs_ladder(cfg)[0]]
     results = plan(cfg, hw, Calibrator(w, hw, seed=cfg.search.seed), ladder, gns)
     if as_json:

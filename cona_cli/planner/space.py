@@ -84,7 +84,7 @@ def enumerate_space(cfg: Config, hw: HardwareProfile, ladder: list[int] | None =
                         rejected.append((s, "; ".join(problems)))
                     else:
                         candidates.append(s)
-    need = memory_bytes(as_array(candidates), w) + hw.reserved_gib * 2**30
+    need = memory_bytes(as_array(candidates), w, hw) + hw.reserved_gib * 2**30
     budget = (1 - cfg.search.memory_margin) * hw.device_memory_bytes(ppn)
     fits = need <= budget
     feasible = [s for s, ok in zip(candidates, fits) if ok]

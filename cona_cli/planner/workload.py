@@ -17,7 +17,7 @@ class Workload:
     """The model shape and training settings that T(s) and memory depend on."""
 
     shape: ModelShape
-    precision: str = "fp32"
+    precision: str = "auto"  # resolved against the hardware profile (planner.memory.compute_precision)
     recompute: bool = False
     pp_schedule: str = "1f1b"
     dp_impl: str = "ddp"
@@ -40,11 +40,6 @@ class Workload:
     @property
     def world(self) -> int:
         return self.nodes * self.procs_per_node
-
-    @property
-    def act_bytes(self) -> int:
-        """Bytes per activation / weight / gradient element in the compute precision."""
-        return 4 if self.precision == "fp32" else 2
 
     def stage_params(self, tp: np.ndarray, pp: np.ndarray) -> np.ndarray:
         """Parameters held by one device of the largest stage (layers plus embedding or head; a tied
