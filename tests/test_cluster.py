@@ -167,7 +167,10 @@ def test_ssh_command_runs_the_node_agent_and_sends_the_environment_on_stdin() ->
 
 
 def test_srun_command_starts_one_agent_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One task per node with the node's CPUs (a step does not inherit the job's --cpus-per-task), and
+    --overlap: the standby's step shares the allocation with the running job's."""
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[1-2]")
+    monkeypatch.setenv("SLURM_CPUS_ON_NODE", "64")
     c = _cfg({"nodes": "slurm", "procs_per_node": 2, "srun_args": ["--cpu-bind=none"]}).cluster
     nodes = resolve_nodes(c)
     assert SlurmLauncher(c).command(nodes) == [
@@ -175,10 +178,15 @@ def test_srun_command_starts_one_agent_per_node(monkeypatch: pytest.MonkeyPatch)
         "--nodes=2",
         "--ntasks=2",
         "--ntasks-per-node=1",
+        "--cpus-per-task=64",
+        "--overlap",
         "--kill-on-bad-exit=1",
         "--label",
         "--cpu-bind=none",
     ]
+    own = _cfg({"nodes": "slurm", "procs_per_node": 2, "srun_args": ["-c", "16"]}).cluster
+    assert not any(a.startswith("--cpus-per-task") for a in SlurmLauncher(own).command(nodes))  # the user's stands
+    assert not any(a.startswith("--cpus") for a in SlurmLauncher(c).command(nodes, environ={}))
     line = torchrun_args(c, None, Rendezvous("gpu1:29500", "r", None))  # one line for every node
     assert "--rdzv-endpoint=gpu1:29500" in line and not any(a.startswith(("--local-addr", "--rdzv-conf")) for a in line)
 
@@ -208,16 +216,39 @@ def test_sbatch_script(tmp_path: Path) -> None:
         f"#SBATCH --output={run}/slurm-%j.out",
         "#SBATCH --time=24:00:00",
         "#SBATCH --gpus-per-node=8",
+        "#SBATCH --signal=B:USR1@300",
+        "#SBATCH --requeue",
     ):
         assert line in text.splitlines()
-    last = shlex.split(text.splitlines()[-1])
-    assert last[:5] == ["exec", sys.executable, "-m", "cona_cli", "train"]
-    assert last[5:] == [str(cfg_path), "--run-dir", str(run), "--max-steps", "50"]
     assert run.is_dir()  # Slurm writes its log there from the first second
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     local = config_from_dict({**doc, "cluster": {"nodes": 2, "procs_per_node": 2}})
     with pytest.raises(ConfigError, match="--sbatch: cluster.launcher is local"):
         sbatch_script(local, [], run, tmp_path)
+
+
+def test_sbatch_script_starts_the_run_then_resumes_it_when_run_again(tmp_path: Path) -> None:
+    """The script as Slurm runs it (first submission, then requeued), with the nodes' python replaced by
+    one that writes down what it was asked to run."""
+    python = tmp_path / "python"
+    called = tmp_path / "called"
+    python.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {called}\n')
+    python.chmod(0o755)
+    doc = {k: v for k, v in TINY.items() if k != "strategy"}
+    doc["cluster"] = {"procs_per_node": 2, "launcher": "slurm", "python": str(python), "requeue_signal_s": 90}
+    cfg_path = write_config(tmp_path / "c.yaml", doc)
+    script, run = tmp_path / "job.sh", tmp_path / "runs" / "r1"
+    args = ["train", str(cfg_path), "--sbatch", str(script), "--run-dir", str(run), "--max-steps", "50"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    assert "#SBATCH --signal=B:USR1@90" in script.read_text().splitlines()
+
+    def runs() -> list[str]:
+        assert subprocess.run(["bash", str(script)], cwd=tmp_path).returncode == 0
+        return called.read_text().splitlines()
+
+    assert runs() == ["-m", "cona_cli", "train", str(cfg_path), "--run-dir", str(run), "--max-steps", "50"]
+    (run / "controller_state.json").write_text("{}")  # the controller started: the folder is a run now
+    assert runs() == ["-m", "cona_cli", "train", "--resume", str(run)]
 
 
 def test_python_m_cona_cli_is_the_cli() -> None:

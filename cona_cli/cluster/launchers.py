@@ -11,8 +11,10 @@ storage probe), and a launcher only starts it, signals it and reports its output
   every `CONA_*`, `NCCL_*` (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...), `CUDA_*`, `TORCH_*`, `PYTORCH_*`,
   `GLOO_*`, `FI_*` (libfabric, e.g. EFA) and `UCX_*` variable, and MALLOC_MMAP_THRESHOLD_ /
   MALLOC_TRIM_THRESHOLD_ (`FORWARDED_PREFIXES`, `FORWARDED_NAMES`); `cluster.env` and a host's `env` win.
-- `slurm`: one `srun --ntasks-per-node=1 --kill-on-bad-exit=1 --label` for all nodes of the allocation
-  (srun passes the whole environment on).
+- `slurm`: one `srun --ntasks-per-node=1 --cpus-per-task=$SLURM_CPUS_ON_NODE --overlap --kill-on-bad-exit=1
+  --label` for all nodes of the allocation (srun passes the whole environment on; `--overlap` lets the
+  standby's step share the allocation with the running one, srun(1): "allows steps to share all
+  resources (CPUs, memory, and GRES) with all other steps").
 
 Threads per rank on ssh and srun nodes: unless `cluster.threads_per_proc` fixes it, each node divides its
 own CPUs among its ranks (`CONA_THREADS_PER_PROC=node`, read by `launch.device.threads_per_rank`), not the
@@ -155,16 +157,24 @@ class SshLauncher(Launcher):
 
 
 class SlurmLauncher(Launcher):
-    def command(self, nodes: list[Node]) -> list[str]:
+    def command(self, nodes: list[Node], environ: Mapping[str, str] | None = None) -> list[str]:
         n = len(nodes)
+        env = os.environ if environ is None else environ
+        given = self.cluster.srun_args
+        # Since Slurm 22.05 a step does not inherit the job's --cpus-per-task: ask for the node's CPUs,
+        # or the agent and all its ranks share one.
+        cpus = env.get("SLURM_CPUS_ON_NODE")
+        asks_cpus = any(a == "-c" or a.startswith("--cpus-per-task") for a in given)
         return [
             "srun",
             f"--nodes={n}",
             f"--ntasks={n}",
             "--ntasks-per-node=1",
+            *([f"--cpus-per-task={cpus}"] if cpus and not asks_cpus else []),
+            "--overlap",  # the standby's step starts while the running job's step holds the CPUs and GPUs
             "--kill-on-bad-exit=1",
             "--label",
-            *self.cluster.srun_args,
+            *given,
         ]
 
     def start(self, nodes: list[Node], argv_for: ArgvFor, env: dict[str, str]) -> list[Agent]:

@@ -2,6 +2,12 @@
 
 Slurm starts a batch script on the first node of the allocation, which is the head node cona expects
 (`launcher: slurm`); the controller then starts one torchrun agent per node with `srun`.
+
+The job is requeueable. `--signal=B:USR1@S` has Slurm signal the batch shell, which `exec`s the
+controller, S seconds (`cluster.requeue_signal_s`) before the time limit; the controller then
+checkpoints, puts the job back in the queue (`scontrol requeue`) and exits. When the script runs
+again (requeued, preempted with `--requeue`, or submitted anew) and the run folder has a controller
+state, it resumes the folder instead of starting over.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import sys
 from pathlib import Path
 
 from cona_cli.config import Config, ConfigError
+from cona_cli.rundir import RunDir
 
 
 def sbatch_script(cfg: Config, train_argv: list[str], run_dir: Path, workdir: Path) -> str:
@@ -24,12 +31,19 @@ def sbatch_script(cfg: Config, train_argv: list[str], run_dir: Path, workdir: Pa
         f"#SBATCH --nodes={c.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --output={run_dir.absolute()}/slurm-%j.out",
+        f"#SBATCH --signal=B:USR1@{c.requeue_signal_s}",
+        "#SBATCH --requeue",
     ]
     lines += [f"#SBATCH {opt}" for opt in c.sbatch_options]
-    python = c.python or sys.executable
+    cona = [shlex.quote(c.python or sys.executable), "-m", "cona_cli", "train"]
+    folder = shlex.quote(str(run_dir.absolute()))
     lines += [
         "set -euo pipefail",
         f"cd {shlex.quote(str(workdir))}",
-        " ".join(["exec", shlex.quote(python), "-m", "cona_cli", "train", *map(shlex.quote, train_argv)]),
+        f"if [ -f {shlex.quote(str(RunDir(run_dir.absolute()).controller_state))} ]; then",
+        "  " + " ".join(["exec", *cona, "--resume", folder]),
+        "else",
+        "  " + " ".join(["exec", *cona, *map(shlex.quote, train_argv)]),
+        "fi",
     ]
     return "\n".join(lines) + "\n"

@@ -1,9 +1,11 @@
-"""Slurm's side of a cluster: the hosts of the allocation this process runs in (no config needed)."""
+"""Slurm's side of a cluster: the hosts of the allocation this process runs in (no config needed), and
+putting a batch job back in the queue."""
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 from collections.abc import Mapping
 
 _BRACKET = re.compile(r"\[([^\]]*)\]")
@@ -58,3 +60,19 @@ def allocation_hosts(environ: Mapping[str, str] | None = None) -> list[str]:
     if not nodelist:
         raise SlurmError("not inside a Slurm allocation (SLURM_JOB_NODELIST is not set)")
     return expand_nodelist(nodelist)
+
+
+def requeue(environ: Mapping[str, str] | None = None) -> str | None:
+    """Put this batch job back in Slurm's queue (`scontrol requeue $SLURM_JOB_ID`: its script runs again,
+    and resumes its run folder); the reason in one line if it could not be, else None."""
+    env = os.environ if environ is None else environ
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return "not inside a Slurm job (no SLURM_JOB_ID): nothing to requeue"
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"scontrol requeue {job}: {e}"
+    if proc.returncode != 0:
+        return f"scontrol requeue {job}: {' '.join(proc.stderr.split()) or f'exit {proc.returncode}'}"
+    return None

@@ -28,7 +28,9 @@ def train_command(
     strategy: str | None = typer.Option(None, "--strategy", help="Fixed strategy, e.g. dp2-tp1-pp2-mbs2-gbs16."),
     chain: Path | None = typer.Option(None, "--chain", help="YAML chain file to replay."),
     max_steps: int | None = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps."),
-    data: Path | None = typer.Option(None, "--data", help="Folder with train.txt and valid.txt (data.path)."),
+    data: Path | None = typer.Option(
+        None, "--data", help="Replaces data.path: a folder, a file, a glob or a Megatron prefix."
+    ),
     resume: Path | None = typer.Option(
         None,
         "--resume",
@@ -63,7 +65,7 @@ def train_command(
             return
         if sbatch is not None:
             if config is None or resume is not None:
-                raise ConfigError("--sbatch: give a CONFIG (and no --resume)")
+                raise ConfigError("--sbatch: give a CONFIG, not --resume (the script resumes its run folder itself)")
             write_sbatch(sbatch, config, run_dir, strategy, chain, max_steps, data, sets or [])
             return
         if resume is not None:

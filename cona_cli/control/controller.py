@@ -36,6 +36,7 @@ from cona_cli.cluster.nodes import (
     torchrun_args,
 )
 from cona_cli.cluster.shared_storage import check_shared
+from cona_cli.cluster.slurm import requeue
 from cona_cli.config import Config
 from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.failures import REFUSED_EXIT, STORAGE_EXIT, Failure, failed_host, parse_failure
@@ -45,6 +46,7 @@ from cona_cli.control.standby import Standby, standby_args
 from cona_cli.control.telemetry_server import TelemetryServer
 from cona_cli.control.tensorboard_log import TensorBoardLog
 from cona_cli.planner.costmodel import as_array
+from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.memory import memory_bytes
 from cona_cli.planner.workload import Workload
 from cona_cli.rundir import RunDir, read_trainer_state
@@ -53,7 +55,7 @@ from cona_cli.strategy import Strategy, resizable
 INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGKILL
 NODE_FAILURE_GRACE_S = 20.0  # for the other nodes to stop after one node failed, before SIGKILL
 KILL_WAIT_S = 10.0  # after SIGKILL, before the local end (an ssh client) is abandoned
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGUSR1: 138}
 Prev = tuple[Strategy, dict[str, Any]]  # strategy and outcome of the last launch that ended normally
 
 
@@ -174,7 +176,7 @@ class Controller:
 
     def run(self) -> int:
         """Run to completion; returns the process exit code."""
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in EXIT_CODES:  # SIGUSR1: Slurm's warning before the time limit (`--sbatch` scripts)
             signal.signal(sig, self._on_signal)
         try:
             if self.multi_node:
@@ -364,7 +366,8 @@ class Controller:
             return
         vocab = self.files.vocab_size() if self.files.corpus.is_file() else None
         workload = Workload.from_config(self.cfg, vocab=vocab)
-        estimates[str(strategy)] = float(memory_bytes(as_array([strategy]), workload)[0])
+        hw = load_hardware(self.cfg.search.hardware)  # resolves search.precision: auto
+        estimates[str(strategy)] = float(memory_bytes(as_array([strategy]), workload, hw)[0])
         write_atomic(self.files.memory_estimate_file, json.dumps(estimates))
 
     def _save_state(self, stage: Stage | None, prev: Prev | None) -> None:
@@ -705,6 +708,12 @@ class Controller:
         assert self.signal_received is not None
         step = outcome["step"] if outcome else self.last_metric.get("step", 0)
         self.events.write("interrupted", signal=signal.Signals(self.signal_received).name, step=step)
+        if self.signal_received == signal.SIGUSR1:  # the job's time is nearly up: back in the queue
+            problem = requeue()
+            if problem is None:
+                self.events.write("requeued", step=step)
+                return self._exit(0, "requeued", step)
+            self.console.print(f"[red]cona: not requeued: {problem}[/red]")
         return self._exit(EXIT_CODES[self.signal_received], "interrupted", step)
 
     def _exit(self, code: int, reason: str, step: int) -> int:

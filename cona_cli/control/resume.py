@@ -18,7 +18,7 @@ from cona_cli.control.run_setup import make_policy, resolve_config
 from cona_cli.control.runstate import RunState, lock, stop_job
 from cona_cli.rundir import RunDir, read_jsonl
 
-RESUMABLE = ("interrupted", "failed")  # exit reasons after which a run may continue
+RESUMABLE = ("interrupted", "failed", "requeued")  # exit reasons after which a run may continue
 
 
 def first_difference(given: Any, stored: Any, where: str = "") -> str | None:
