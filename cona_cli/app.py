@@ -10,6 +10,7 @@ from cona_cli.commands.config_command import config_app
 from cona_cli.commands.export_command import export_command
 from cona_cli.commands.report_command import report_command
 from cona_cli.commands.search_command import search_command
+from cona_cli.commands.simulate_command import simulate_command
 from cona_cli.commands.train_command import train_command
 
 app = typer.Typer(
@@ -21,6 +22,7 @@ app.command("search")(search_command)
 app.command("train")(train_command)
 app.command("report")(report_command)
 app.command("export")(export_command)
+app.command("simulate")(simulate_command)
 app.add_typer(config_app, name="config")
 
 

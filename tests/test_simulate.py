@@ -1,0 +1,129 @@
+"""`cona simulate`: Kaplan's law, the simulated world driving the real policies, the optimum sequence
+and the command's output and refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cona_cli.app import app
+from cona_cli.config import config_from_dict
+from cona_cli.control.cona_policy import ConaPolicy
+from cona_cli.planner.hardware import load_hardware
+from cona_cli.simulate.law import KaplanLaw
+from cona_cli.simulate.world import Curve, Simulation, WorldSpec
+from tests.support import REPO, TINY, write_config
+
+runner = CliRunner()
+
+
+def test_kaplan_law_values() -> None:
+    law = KaplanLaw(n_params=1.2e9, seq_len=2048)
+    floor = (8.8e13 / 1.2e9) ** 0.076
+    assert law.loss_floor() == pytest.approx(floor)
+    assert law.loss(2.1e3) == pytest.approx(floor + 1.0)  # S_min = S_c
+    assert math.isinf(law.loss(0))
+    assert law.critical_batch(3.0) == pytest.approx(2e8 / 3.0 ** (1 / 0.21) / 2048)
+    b_crit = law.critical_batch(3.0)
+    assert law.progress(round(b_crit), 3.0) == pytest.approx(0.5, rel=0.01)  # at B = B_crit half a step
+    assert law.critical_batch(2.5) > law.critical_batch(3.0)  # the critical batch grows as the loss falls
+
+
+def test_curve_time_to_interpolates_between_steps() -> None:
+    curve = Curve(times=[0.0, 1.0, 2.0, 3.0], losses=[math.inf, 5.0, 4.0, 3.0])
+    assert curve.time_to(5.0) == 1.0
+    assert curve.time_to(3.5) == pytest.approx(2.5)
+    assert curve.time_to(2.0) is None
+
+
+def _tiny_doc(gbs_max: int) -> dict:
+    doc = {k: v for k, v in TINY.items() if k != "strategy"}
+    doc["train"] = {**doc["train"], "max_steps": None, "max_time": 3600}  # the policy pays back within it
+    doc["search"] = {"gbs_min": 8, "gbs_max": gbs_max, "mbs": [2, 4, 8]}
+    return doc
+
+
+def _tiny_sim(noise: float = 0.0) -> Simulation:
+    doc = _tiny_doc(64)
+    cfg = config_from_dict(doc, "tiny")
+    shape = ConaPolicy(cfg, load_hardware("cpu-local")).workload.shape
+    law = KaplanLaw(shape.n_layers * shape.layer_params, cfg.model.seq_len)
+    return Simulation(cfg, WorldSpec(law, load_hardware("cpu-local"), noise=noise, max_time=3600.0))
+
+
+def test_the_optimum_is_at_least_as_fast_as_every_rung_and_switches_up() -> None:
+    sim = _tiny_sim()
+    floor = sim.spec.law.loss_floor()
+    targets = [floor + 3.0, floor + 1.5, floor + 0.8]
+    optimum = sim.optimum(min(targets))
+    for g in sim.ladder:
+        static = sim.static(sim.best_at(g), min(targets), seed=0)
+        for loss in targets:
+            t_opt, t_static = optimum.time_to(loss), static.time_to(loss)
+            assert t_opt is not None
+            assert t_static is None or t_opt <= t_static * (1 + 1e-9), (g, loss)
+    gbs = [a.gbs for _, a, _ in optimum.switches] + [optimum.switches[-1][2].gbs]
+    assert gbs == sorted(gbs) and len(set(gbs)) > 1  # climbs as the critical batch grows
+
+
+def test_the_real_policy_runs_in_the_world_and_a_seed_reproduces() -> None:
+    sim = _tiny_sim(noise=0.05)
+    stop = sim.spec.law.loss_floor() + 0.8
+    cfg, hw = sim.cfg, load_hardware("cpu-local")
+    first = sim.run(ConaPolicy(cfg, hw), stop, seed=3)
+    again = sim.run(ConaPolicy(cfg, hw), stop, seed=3)
+    assert first.times == again.times and first.switches == again.switches
+    assert first.losses[-1] <= stop and first.switches  # reached the target, having climbed
+    assert all(b.gbs > a.gbs for _, a, b in first.switches[:1])
+
+
+def _cli(tmp_path: Path, *args: str) -> object:
+    return runner.invoke(app, ["simulate", str(write_config(tmp_path / "tiny.yaml", _tiny_doc(32))), *args])
+
+
+def test_cona_simulate_prints_the_preflight_and_the_table(tmp_path: Path) -> None:
+    result = _cli(tmp_path, "--targets", "3000,1500", "--seeds", "2", "--max-time", "3600")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "samples/s per rung:" in out and "16 beats 8 at GNS >" in out
+    for row in ("| cona |", "| static-auto (", "| static-8 (", "| static-32 (", "| optimum sequence (free switches) |"):
+        assert row in out, out
+    assert "| cona vs best static |" in out and "cona's switches (seed 0):" in out
+
+
+def test_cona_simulate_json(tmp_path: Path) -> None:
+    result = _cli(tmp_path, "--targets", "3000", "--seeds", "2", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["targets"] == [3000.0] and out["seeds"] == 2
+    assert set(out["times_s"]) >= {"cona", "optimum sequence (free switches)"}
+    for name, per_seed in out["times_s"].items():  # one row per seed (the optimum has no noise: one)
+        assert len(per_seed) == (1 if name.startswith("optimum") else 2) and all(len(r) == 1 for r in per_seed)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((), "--targets: give perplexities (the config has no train.target_ppl)"),
+        (("--targets", "big"), "--targets: 'big' is not a comma-separated list of numbers"),
+        (("--targets", "0.5"), "perplexities must be > 1"),
+        (("--targets", "100", "--true-kappa", "0"), "--true-kappa: must be > 0"),
+        (("--targets", "100", "--truth", "no-such-profile"), "no-such-profile"),
+    ],
+)
+def test_cona_simulate_refuses_bad_input_in_one_line(tmp_path: Path, args: tuple[str, ...], message: str) -> None:
+    result = _cli(tmp_path, *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_the_paper_configs_simulate() -> None:
+    cfg_path = REPO / "configs" / "gpt3-1.3b-a6000.yaml"
+    result = runner.invoke(app, ["simulate", str(cfg_path), "--seeds", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    times = json.loads(result.stdout)["times_s"]
+    assert all(t is not None for t in times["optimum sequence (free switches)"][0])
