@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import shutil
 import statistics
@@ -167,6 +168,16 @@ def finished(run_dir: Path) -> bool:
     return end is not None and end.data.get("code") == 0
 
 
+def budget(run_dirs: list[Path]) -> str:
+    """The runs' time budget as their resolved configs record it ("budgets as run" if they differ or
+    do not say)."""
+    seen = set()
+    for d in run_dirs:
+        cfg = d / "config.resolved.json"
+        seen.add(json.loads(cfg.read_text())["train"].get("max_time") if cfg.is_file() else None)
+    return f"{seen.pop():.0f} s each" if len(seen) == 1 and None not in seen else "budgets as run"
+
+
 def progress(reached: list[float | None]) -> tuple[int, float]:
     """A sort key, best first: more targets reached, then the sooner the last of them."""
     hit = [t for t in reached if t is not None]
@@ -295,7 +306,8 @@ def main() -> None:
         per_seed = [samples_per_s(args.out / f"s{seed}" / name) for seed in results[name]]
         rates.append(f"{name} {spread([r for r in per_seed if r is not None])}")
     print("\nsamples/s (median step of each run; median [range] over seeds): " + ", ".join(rates))
-    print(f"\n{args.seeds} seed(s), {args.max_time:.0f} s each; time to target in s: median [min–max] over seeds")
+    ran = [args.out / f"s{seed}" / name for name, per_seed in results.items() if name != HINDSIGHT for seed in per_seed]
+    print(f"\n{args.seeds} seed(s), {budget(ran)}; time to target in s: median [min–max] over seeds")
     print("| run | " + " | ".join(f"ppl ≤ {t:g}" for t in targets) + " |")
     print("|---" * (len(targets) + 1) + "|")
     for name, per_seed in results.items():

@@ -1,10 +1,20 @@
-"""Chaos test: train the tiny config N times, SIGKILL a random worker rank or the controller at a
-random moment (1 to --max-kills kills per run; `cona train --resume` after a controller kill), then
-check that every run finished, that each committed checkpoint loads, and how many steps a recovery lost.
-Exits 1 if a run failed or a checkpoint was corrupted.
+"""Chaos test: train the tiny config N times under the given policies, kill a process of the run at a
+random moment or at a named point of the switch path (1 to --max-kills kills per run; `cona train
+--resume` after a controller kill), then check that every run finished with continuous steps and
+consumed samples, that each committed checkpoint loads, that no process of the run is left, how many
+steps a recovery lost and how many launches failed after the kills. Exits 1 if a run failed, a
+checkpoint was corrupted or a process outlived its run.
 
-    .venv/bin/python scripts/chaos.py 20 [--seed 0] [--steps 30] [--max-kills 2] [--keep]
+    .venv/bin/python scripts/chaos.py 30 [--policy static,chain,cona] [--periodic on,off] [--seed 0]
+        [--steps 30] [--max-kills 2] [--keep]
 
+Runs cycle through the policies and the periodic-checkpoint settings (`on`: every 5 steps; `off`: the
+default time-based interval, which a 30-step run never reaches). What is killed, at random:
+  worker       a rank (SIGKILL), at a random step
+  controller   `cona train` (SIGKILL), then `--resume`
+  agent        the torchrun agent of the running job (SIGKILL)
+  switch-save  a rank dies inside the checkpoint save of the chain's first switch (policy chain only;
+               CONA_TEST_DIE_AT_STEP=N:RANK:save)
 Saves linger 0.3 s (CONA_TEST_SAVE_DELAY_S) so that some kills land inside a checkpoint save.
 """
 
@@ -28,29 +38,48 @@ sys.path.insert(0, str(REPO))
 
 from cona_cli.config import config_from_dict  # noqa: E402
 from cona_cli.control import usable_checkpoints as checkpoints  # noqa: E402
-from cona_cli.control.runstate import RunState  # noqa: E402
+from cona_cli.control.runstate import RunState, job_processes  # noqa: E402
 from cona_cli.rundir import RunDir, committed  # noqa: E402
 from tests.support import TINY, write_config  # noqa: E402
 
-GBS = 16
 ENV = {**os.environ, "CONA_TEST_SAVE_DELAY_S": "0.3"}
+POLICIES = ("static", "chain", "cona")
+KILLS = ("worker", "controller", "agent", "switch-save")
 
 
-def config_doc(steps: int) -> dict:
-    """The tiny config on 2 ranks, `steps` steps, a checkpoint every 5."""
-    return {
-        **TINY,
-        "cluster": {"procs_per_node": 2},
-        "strategy": f"dp2-tp1-pp1-mbs2-gbs{GBS}",
-        "train": {**TINY["train"], "max_steps": steps, "checkpoint_interval": 5, "max_restarts": 5},
-    }
+def chain_boundary(steps: int) -> int:
+    return steps // 3
 
 
-def cona(*args: str) -> subprocess.Popen:
+def config_doc(steps: int, policy: str, periodic: bool) -> dict:
+    """The tiny config on 2 ranks for `steps` steps. static: dp2 at gbs 16; chain: dp2 gbs 16, then pp2
+    (a relaunch into another layout) from a third of the steps, then dp2 gbs 32 (a resize or relaunch);
+    cona: its own ladder 8-32."""
+    train = {**TINY["train"], "max_steps": steps, "max_restarts": 5}
+    if periodic:
+        train["checkpoint_interval"] = 5
+    doc = {**TINY, "cluster": {"procs_per_node": 2}, "train": train, "policy": policy}
+    if policy == "static":
+        doc["strategy"] = "dp2-tp1-pp1-mbs2-gbs16"
+    elif policy == "chain":
+        doc.pop("strategy", None)
+        third = chain_boundary(steps)
+        doc["chain"] = [
+            {"dp": 2, "tp": 1, "pp": 1, "mbs": 2, "gbs": 16, "steps": third},
+            {"dp": 1, "tp": 1, "pp": 2, "mbs": 2, "gbs": 16, "steps": third},
+            {"dp": 2, "tp": 1, "pp": 1, "mbs": 4, "gbs": 32},
+        ]
+    else:
+        doc.pop("strategy", None)
+        doc["search"] = {"gbs_min": 8, "gbs_max": 32, "mbs": [2, 4, 8]}
+    return doc
+
+
+def cona(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", "from cona_cli.app import main; main()", *args],
         cwd=REPO,
-        env=ENV,
+        env={**ENV, **(env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -106,14 +135,32 @@ def checkpoint_loads(path: Path, shapes: checkpoints.Shapes, cfg_doc: dict, voca
     return True
 
 
-def one_run(tmp: Path, rng: random.Random, steps: int, max_kills: int) -> dict:
+def continuous(step_rows: list[dict], steps: int) -> bool:
+    """Steps 1..steps, each step's consumed samples those before it plus its batch (reruns of a step
+    after a recovery included)."""
+    final = {r["step"]: r for r in step_rows}
+    if sorted(final) != list(range(1, steps + 1)):
+        return False
+    before = {1: 0}
+    for step in range(1, steps):
+        before[step + 1] = final[step]["consumed_samples"]
+    return all(r["consumed_samples"] == before[r["step"]] + r["gbs"] for r in step_rows)
+
+
+def one_run(tmp: Path, rng: random.Random, steps: int, max_kills: int, policy: str, periodic: bool) -> dict:
     tmp.mkdir(parents=True)
-    doc = config_doc(steps)
+    doc = config_doc(steps, policy, periodic)
     cfg = write_config(tmp / "tiny.yaml", doc)
     run = tmp / "run"
-    proc = cona("train", str(cfg), "--run-dir", str(run))
-    kills = {"worker": 0, "controller": 0}
-    for _ in range(rng.choice(range(1, max_kills + 1))):
+    kinds = [k for k in KILLS if k != "switch-save" or policy == "chain"]
+    plan = [rng.choice(kinds) for _ in range(rng.choice(range(1, max_kills + 1)))]
+    env = {}
+    if "switch-save" in plan:  # the die hook fires once per run folder, inside that save
+        env["CONA_TEST_DIE_AT_STEP"] = f"{chain_boundary(steps)}:{rng.randint(0, 1)}:save"
+    proc = cona("train", str(cfg), "--run-dir", str(run), env=env)
+    kills = dict.fromkeys(KILLS, 0)
+    kills["switch-save"] = plan.count("switch-save")
+    for kind in (k for k in plan if k != "switch-save"):
         at = last_step(run) + rng.randint(1, 8)
         deadline = time.monotonic() + 120
         while proc.poll() is None and last_step(run) < at and time.monotonic() < deadline:
@@ -121,26 +168,27 @@ def one_run(tmp: Path, rng: random.Random, steps: int, max_kills: int) -> dict:
         time.sleep(rng.uniform(0, 0.4))
         if proc.poll() is not None:
             break
-        pids = worker_pids(run)
-        if rng.random() < 0.5 and pids:
+        state = RunState.load(run)
+        pids = worker_pids(run) if kind == "worker" else state.agent_pids[:1] if state and kind == "agent" else []
+        if pids:
             os.kill(rng.choice(pids), signal.SIGKILL)
-            kills["worker"] += 1
+            kills[kind] += 1
         else:
             proc.kill()
             proc.wait()
             kills["controller"] += 1
-            proc = cona("train", "--resume", str(run))
+            proc = cona("train", "--resume", str(run), env=env)
     _, err = proc.communicate(timeout=600)
     step_rows = [r for r in rows(run / "metrics.jsonl") if r.get("kind") == "step"]
     final = {r["step"]: r for r in step_rows}
-    ok = (
-        proc.returncode == 0
-        and sorted(final) == list(range(1, steps + 1))
-        and all(r["consumed_samples"] == r["step"] * GBS for r in step_rows)
-    )
+    leftover = sorted(job_processes(run, []))
+    ok = proc.returncode == 0 and continuous(step_rows, steps) and not leftover
     lost = 0
     events = rows(run / "events.jsonl")
     failures = sum(e.get("kind") == "failure" for e in events)
+    # Each kill of a rank or an agent fails its launch once; any failure beyond those is recovery's own
+    # (a relaunch refused a checkpoint, a resumed job collided with a live one, ...).
+    extra_failures = failures - sum(kills[k] for k in ("worker", "agent", "switch-save"))
     for e in events:  # steps reached before a recovery minus the step it restored
         if e.get("kind") == "launch" and e.get("reason") in ("restart", "resume"):
             reached = max((r["step"] for r in step_rows if r["wall_clock"] < e["wall_clock"]), default=0)
@@ -152,10 +200,14 @@ def one_run(tmp: Path, rng: random.Random, steps: int, max_kills: int) -> dict:
     corrupt += sum(1 for p in root.iterdir() if p.name.startswith("bad")) if root.is_dir() else 0
     return {
         "ok": ok,
+        "policy": policy,
+        "periodic": periodic,
         "kills": kills,
         "failures": failures,
+        "extra_failures": extra_failures,
         "lost": lost,
         "corrupt": corrupt,
+        "leftover": leftover,
         "loss": final.get(steps, {}).get("loss"),
         "err": "" if ok else err[-1500:],
     }
@@ -164,13 +216,22 @@ def one_run(tmp: Path, rng: random.Random, steps: int, max_kills: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("n", type=int, help="number of runs")
+    parser.add_argument("--policy", default="static", help=f"comma-separated, cycled over runs ({', '.join(POLICIES)})")
+    parser.add_argument("--periodic", default="on", help="comma-separated periodic checkpoints, cycled: on, off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=30, help="steps per run (a checkpoint every 5)")
     parser.add_argument("--max-kills", type=int, default=2, help="kills per run: 1 to this many, at random")
     parser.add_argument("--keep", action="store_true", help="keep the run folders")
     args = parser.parse_args()
-    if args.n < 1 or args.steps < 1 or args.max_kills < 1:
-        parser.error("n, --steps and --max-kills must be >= 1")
+    if args.n < 1 or args.steps < 6 or args.max_kills < 1:
+        parser.error("n and --max-kills must be >= 1, --steps >= 6")
+    policies, periodic = args.policy.split(","), args.periodic.split(",")
+    if not set(policies) <= set(POLICIES):
+        parser.error(
+            f"--policy: unknown {', '.join(sorted(set(policies) - set(POLICIES)))} (known: {', '.join(POLICIES)})"
+        )
+    if not set(periodic) <= {"on", "off"}:
+        parser.error(f"--periodic: {args.periodic!r}: give on, off or on,off")
     rng = random.Random(args.seed)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     base = Path(tempfile.mkdtemp(prefix="cona-chaos-"))
@@ -178,23 +239,35 @@ def main() -> int:
     ENV.setdefault("CONA_CACHE", os.environ["CONA_CACHE"])
     results, t0 = [], time.monotonic()
     for i in range(args.n):
-        r = one_run(base / f"run{i:03d}", rng, args.steps, args.max_kills)
+        policy, on = policies[i % len(policies)], periodic[(i // len(policies)) % len(periodic)] == "on"
+        r = one_run(base / f"run{i:03d}", rng, args.steps, args.max_kills, policy, on)
         results.append(r)
+        killed = ", ".join(f"{k} {n}" for k, n in r["kills"].items() if n) or "none"
         print(
-            f"run {i + 1}/{args.n}: {'completed' if r['ok'] else 'FAILED'}, kills {r['kills']}, "
-            f"failures recorded {r['failures']}, lost {r['lost']} steps, corrupt checkpoints {r['corrupt']}, "
-            f"final loss {r['loss']}",
+            f"run {i + 1}/{args.n} ({policy}, periodic {'on' if on else 'off'}): "
+            f"{'completed' if r['ok'] else 'FAILED'}, kills: {killed}; failures recorded {r['failures']}, "
+            f"beyond the kills {r['extra_failures']}, lost {r['lost']} steps, "
+            f"corrupt checkpoints {r['corrupt']}, processes left {len(r['leftover'])}, final loss {r['loss']}",
             flush=True,
         )
         if r["err"]:
             print(r["err"], flush=True)
+    print("\n| policy | periodic | runs | completed | kills | extra failures | most steps lost | corrupt | left |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for policy in policies:
+        for on in sorted({p == "on" for p in periodic}, reverse=True):
+            group = [r for r in results if r["policy"] == policy and r["periodic"] == on]
+            if group:
+                kills = sum(sum(r["kills"].values()) for r in group)
+                print(
+                    f"| {policy} | {'on' if on else 'off'} | {len(group)} | {sum(r['ok'] for r in group)} | {kills} | "
+                    f"{sum(r['extra_failures'] for r in group)} | {max(r['lost'] for r in group)} | "
+                    f"{sum(r['corrupt'] for r in group)} | {sum(len(r['leftover']) for r in group)} |"
+                )
     losses = {round(r["loss"], 4) for r in results if r["loss"] is not None}
     print(f"\nruns completed:          {sum(r['ok'] for r in results)}/{args.n}")
-    print(
-        f"kills survived:          {sum(sum(r['kills'].values()) for r in results if r['ok'])} "
-        f"(worker {sum(r['kills']['worker'] for r in results)}, "
-        f"controller {sum(r['kills']['controller'] for r in results)})"
-    )
+    by_kind = ", ".join(f"{k} {sum(r['kills'][k] for r in results)}" for k in KILLS)
+    print(f"kills survived:          {sum(sum(r['kills'].values()) for r in results if r['ok'])} ({by_kind})")
     # A rank killed with SIGKILL fails its launch: the controller records a failure and restarts.
     print(f"launch failures recorded: {sum(r['failures'] for r in results)}")
     print(f"checkpoints corrupted:   {sum(r['corrupt'] for r in results)}")
@@ -203,7 +276,7 @@ def main() -> int:
     print(f"wall time:               {time.monotonic() - t0:.0f} s  ({base})")
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
-    return 0 if all(r["ok"] and not r["corrupt"] for r in results) else 1
+    return 0 if all(r["ok"] and not r["corrupt"] and not r["leftover"] for r in results) else 1
 
 
 if __name__ == "__main__":
