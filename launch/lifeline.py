@@ -1,7 +1,7 @@
 """A process that dies with its parent: Linux's PR_SET_PDEATHSIG, asked for right after the fork.
 
 Without it a SIGKILLed torchrun agent left its ranks training for 45 minutes, reparented to init
-and writing into the run folder: the ranks are children of the fork server
+and writing into the run folder (issue #25): the ranks are children of the fork server
 (`launch.forkrun`), which leaves when the agent does, but nothing told them. Now the fork server
 dies with its agent (SIGKILL: it holds nothing), each rank with the fork server (SIGKILL: the agent
 that would have stopped it gracefully is already gone), and an agent started by a local controller

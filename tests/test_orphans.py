@@ -1,5 +1,5 @@
 """No process of a job outlives its torchrun agent or its controller, and `--resume` never runs beside
-a live job of the same run folder.
+a live job of the same run folder (issue #25).
 
 The job's processes are found as `--resume` finds them: every process whose command line names the
 run folder (`control.runstate.job_processes`).
