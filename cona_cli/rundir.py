@@ -1,9 +1,8 @@
 """The run folder: one type that knows the name of every file in it (docs/run-dir.md is the reference).
 
-Controller and workers share it, so it imports nothing but the standard library (and `launch.committed`,
-which is standard library only). The checkpoint folder's layout (`checkpoints/step_000120/` with
-`trainer.json` and a `COMMITTED` marker written last) is named here too; what makes such a folder
-committed is defined once in `launch.committed`, what reads and writes the DCP shards in `launch.checkpoint`.
+Controller and workers share it, so it imports nothing but the standard library. The checkpoint
+folder's layout (`checkpoints/step_000120/` with `trainer.json` and a `COMMITTED` marker written
+last) is named here too; what reads and writes the DCP shards lives in `launch.checkpoint`.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launch.committed import MARKER, TRAINER_STATE, committed, read_trainer_state  # noqa: F401 (one definition)
-
+MARKER = "COMMITTED"  # written last into a checkpoint folder: the checkpoint is complete
+TRAINER_STATE = "trainer.json"  # step, consumed samples, strategy, schedule and statistics state
 BAD_CHECKPOINT_EXIT = 3  # a worker that cannot load its checkpoint exits with this code
 OUT_OF_MEMORY_EXIT = 4  # a worker that ran out of device (or host) memory exits with this code
 PEER_LOST = (  # a rank's error when another rank died: gloo's and the TCP store's words, then NCCL's
@@ -144,6 +143,23 @@ class RunDir:
 def step_dir(root: Path, step: int) -> Path:
     """The committed checkpoint folder of `step` under a checkpoints root."""
     return root / f"step_{step:06d}"
+
+
+def committed(root: Path) -> list[Path]:
+    """Checkpoint folders with a COMMITTED marker, newest first."""
+    if not root.is_dir():
+        return []
+    dirs = [d for d in root.iterdir() if d.name.startswith("step_") and (d / MARKER).is_file()]
+    return sorted(dirs, key=lambda d: d.name, reverse=True)
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """trainer.json of a checkpoint; ValueError naming the folder if unreadable."""
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+        return state if isinstance(state, dict) else {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable {TRAINER_STATE} ({e})") from None
 
 
 def read_jsonl(path: Path, warnings: list[str]) -> list[dict[str, Any]]:

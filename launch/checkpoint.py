@@ -3,10 +3,9 @@
 Layout: `ROOT/step_000120/` holds the DCP shards, `trainer.json` (step, consumed samples, strategy,
 schedule and statistics state) and a `COMMITTED` marker written last. Saving goes to
 `ROOT/.tmp-step_000120/` first and is renamed once every rank has finished, so a crash mid-save
-never leaves a folder that looks complete. Loading refuses a folder that is not committed by the
-definition the controller chooses by (`launch.committed`), and reshards to whatever layout is
-running: parameter names are the same under every (dp, tp, pp). Pruning runs only after a newer
-checkpoint is committed, so the newest committed one is never deleted first.
+never leaves a folder that looks complete. Loading ignores folders without the marker, and reshards
+to whatever layout is running: parameter names are the same under every (dp, tp, pp). Pruning
+runs only after a newer checkpoint is committed, so the newest committed one is never deleted first.
 
 A save that cannot write (disk full, quota, permission, read-only storage) raises `SaveError` on
 every rank with one line naming the path and what it needs; its temporary folder is removed and the
@@ -42,8 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from cona_cli.rundir import step_dir
-from launch.committed import TRAINER_STATE, committed, not_committed, read_trainer_state, write_marker
+from cona_cli.rundir import MARKER, TRAINER_STATE, committed, read_trainer_state, step_dir
 from launch.device import is_out_of_memory
 
 # Flattened optimizer state: the default nests param_groups in one pickled entry that DCP keeps from
@@ -116,7 +114,10 @@ def save(
         if final.exists():  # an unusable attempt at the same step (a usable one is never re-saved)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        write_marker(final, step)
+        with open(final / MARKER, "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     _together(commit if rank0 else None, root, tmp, model, optimizer)
     if rank0:
@@ -208,10 +209,12 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     Each rank plans and reads its own pieces (DCP's load plan needs no global coordination; its
     collectives cost ~0.3-0.7 s of a switch on 2 CPU cores), then one all-gather makes every rank
     fail together if any could not read."""
-    why = not_committed(path)  # the definition the controller chose this checkpoint by
-    if why is not None:
-        raise CheckpointError(f"{path}: not a committed checkpoint ({why})")
-    trainer_state = read_trainer_state(path)
+    if not (path / MARKER).is_file():
+        raise CheckpointError(f"{path}: not a committed checkpoint (no {MARKER} marker)")
+    try:
+        trainer_state = read_trainer_state(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     states = _states(model, optimizer)  # out of memory here (the optimizer's moments) is raised as it is
     error: tuple[bool, str] | None = None  # (out of memory, what went wrong)
     failed: BaseException | None = None

@@ -13,10 +13,6 @@ its own). Ranks are never forked from the agent: its rendezvous and store thread
 and a fork taken while one of them held glibc's resolver lock left a rank deadlocked in its first
 `getaddrinfo` (seen once in the test suite). The server has a single thread (fork copies only the
 caller). Neither process touches a device (CUDA stays uninitialised, so the ranks may use it).
-
-No process of a job outlives the one that started it (`launch.lifeline`): the fork server dies with
-the agent, each rank with the fork server, and an agent whose parent is its local controller
-(`CONA_CONTROLLER_PID`) gets SIGTERM when that controller dies, so torchrun stops its ranks.
 """
 
 from __future__ import annotations
@@ -37,18 +33,15 @@ from torch.distributed import run as torchrun
 from torch.distributed.launcher.api import elastic_launch
 
 from cona_cli.rundir import PEER_LOST
-from launch.lifeline import die_with_parent
 
 FALLBACK_MASTER_PORT = 29500  # what torchrun sets when none is given (unused by the c10d rendezvous)
 # Forked ranks are watched as one group that reports only the first failure it sees: a rank that
 # only lost a peer leaves this much later, so that the failure reported is the peer's own.
 PEER_LOST_DELAY_S = 1.0
-_server_pid: int | None = None  # in the fork server and the ranks it forks: the server's pid
 
 
 def run_module(module: str, *args: str) -> None:
     """A rank: `MODULE.main()` with ARGS as its command line (the module is already imported)."""
-    die_with_parent(_server_pid if _server_pid is not None else os.getppid())
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores SIGTERM; a rank does not
     sys.argv = [module, *args]
     try:
@@ -64,15 +57,11 @@ def _fork_server_process(path: str, args: Sequence[str], passfds: Sequence[int])
     server's `-c` command in the child, which keeps only the descriptors a spawn would pass."""
     if "-c" not in args:  # not the forkserver command this was written for: spawn it as usual
         return _spawnv_passfds(path, args, passfds)
-    global _server_pid
     command = args[list(args).index("-c") + 1]
-    agent = os.getpid()
     pid = os.fork()
     if pid:
         return pid
     try:  # the child: the descriptors a spawn would have passed, then serve until the agent leaves
-        die_with_parent(agent)
-        _server_pid = os.getpid()
         keep = sorted({0, 1, 2, *passfds})
         for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
             os.closerange(low + 1, high)
@@ -111,9 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     if not args.module:
         raise SystemExit("launch.forkrun: runs a module (-m MODULE), not a script")
     start_fork_server(args.training_script)
-    controller = os.environ.get("CONA_CONTROLLER_PID")
-    if controller and int(controller) == os.getppid():  # started by a local controller (not ssh, srun)
-        die_with_parent(int(controller), signal.SIGTERM)  # after the fork server: it ignores SIGTERM a while
     if args.standalone:  # as torchrun: a local c10d rendezvous on a free port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:

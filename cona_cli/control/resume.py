@@ -15,7 +15,7 @@ from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.controller import INTERRUPT_GRACE_S
 from cona_cli.control.policies import Policy
 from cona_cli.control.run_setup import make_policy, resolve_config
-from cona_cli.control.runstate import RunState, lock, stop_job
+from cona_cli.control.runstate import RunState, lock, wait_for_group
 from cona_cli.rundir import RunDir, read_jsonl
 
 RESUMABLE = ("interrupted", "failed", "requeued")  # exit reasons after which a run may continue
@@ -110,13 +110,11 @@ def prepare_resume(
     for key in ("train_path", "valid_path"):
         if not Path(corpus[key]).is_file():
             raise ConfigError(f"--resume: corpus file {corpus[key]} is gone (cache cleared?); cannot continue")
-    stop_job(run_dir, state.standby_pids, 0.0)  # a pre-warmed job holds nothing worth waiting for
+    for pgid in state.standby_pids:  # a pre-warmed job holds nothing worth waiting for
+        wait_for_group(pgid, 0.0)
     state.standby_pids = []
-    # Never beside a live job of this run: an orphaned one may still be checkpointing, then it goes.
-    left = stop_job(run_dir, state.agent_pids, INTERRUPT_GRACE_S)
-    if left:
-        pids = " ".join(map(str, left))
-        raise ConfigError(f"--resume: a job on {run_dir} is still running (pids {pids}) and could not be stopped")
+    for pgid in state.agent_pids:  # an orphaned job may still be checkpointing
+        wait_for_group(pgid, INTERRUPT_GRACE_S)
     root = run.checkpoints
     usable, skipped = checkpoints.newest_usable(
         root, checkpoints.expected_shapes(cfg, run), lambda m: print(f"cona: warning: {m}", file=sys.stderr)

@@ -3,18 +3,15 @@
 Enough to continue a run after the controller was stopped or killed (`cona train --resume RUN_DIR`):
 the running stage, the launch counter, run time so far, recent failures (the restart budget), the
 last finished launch (for the next switch event), the torchrun process group, and the policy's state.
-Also the run folder's lock, and what `--resume` uses to find and stop what is left of an orphaned job.
 """
 
 from __future__ import annotations
 
 import fcntl
-import itertools
 import json
 import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,74 +79,31 @@ def lock(run_dir: Path) -> int:
     return fd
 
 
-KILL_WAIT_S = 5.0  # for SIGKILLed processes to be gone before --resume gives up on them
-
-
-def _live_pids() -> dict[int, int]:
-    """pid -> process group of every live (non-zombie) process, from /proc; empty without /proc."""
-    found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (non-zombie) process is in process group `pgid`."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if fields[0] != "Z":
-            found[int(stat.parent.name)] = int(fields[2])
-    return found
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
-def _names_run(pid: int, run_dir: str) -> bool:
-    """Whether process `pid`'s command line has `--run-dir RUN_DIR`: every process of a job (torchrun
-    agent, fork server, forked ranks, a standby) has its agent's command line."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return False
-    return any(a == "--run-dir" and os.path.realpath(b) == run_dir for a, b in itertools.pairwise(argv))
-
-
-def job_processes(run_dir: Path, groups: list[int]) -> list[int]:
-    """Live processes of an earlier job on `run_dir`: those whose command line names the run folder
-    (found even when the controller died before it recorded the job's process groups), and those in
-    `groups`. Without /proc (not Linux) only the groups, by signal 0."""
-    if not Path("/proc").is_dir():
-        alive = []
-        for pgid in groups:
-            try:
-                os.killpg(pgid, 0)
-                alive.append(pgid)
-            except (ProcessLookupError, PermissionError):
-                pass
-        return alive
-    target, me = os.path.realpath(run_dir), os.getpid()
-    return sorted(
-        pid for pid, pgid in _live_pids().items() if pid != me and (pgid in groups or _names_run(pid, target))
-    )
-
-
-def stop_job(run_dir: Path, groups: list[int], grace_s: float) -> list[int]:
-    """Let an orphaned job on `run_dir` (its controller was killed) finish its checkpoint for up to
-    `grace_s`, then SIGKILL what is left of it. Returns the pids still alive after that (empty unless
-    they cannot be killed, e.g. another user's)."""
+def wait_for_group(pgid: int, grace_s: float) -> None:
+    """Let an orphaned torchrun job (its controller was killed) finish its checkpoint, then kill it."""
     deadline = time.monotonic() + grace_s
-    while job_processes(run_dir, groups) and time.monotonic() < deadline:
+    while _group_alive(pgid):
+        if time.monotonic() > deadline:
+            os.killpg(pgid, signal.SIGKILL)
+            time.sleep(0.5)
+            return
         time.sleep(0.2)
-    left = job_processes(run_dir, groups)
-    if not left:
-        return []
-    for pgid in groups:
-        _kill(os.killpg, pgid)
-    for pid in left:
-        _kill(os.kill, pid)
-    deadline = time.monotonic() + KILL_WAIT_S
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = job_processes(run_dir, groups)
-    return left
-
-
-def _kill(send: Callable[[int, int], None], target: int) -> None:
-    try:
-        send(target, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

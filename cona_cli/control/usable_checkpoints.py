@@ -1,10 +1,9 @@
 """Checkpoint folders as the controller sees them: list, validate, quarantine (no torch at import).
 
-A checkpoint `RUN/checkpoints/step_000120/` is usable when it is committed (`launch.committed`: the
-`COMMITTED` marker and a readable `trainer.json`, the check the workers load by), has a readable DCP
-`.metadata`, every shard file the metadata points into, long enough for the bytes it promises, and
-model tensors of the shapes the config builds. An unusable one is renamed to `bad-step_000120` so
-that neither the controller nor the workers' pruning count it again.
+A checkpoint `RUN/checkpoints/step_000120/` is usable when it has the `COMMITTED` marker, a readable
+`trainer.json`, a readable DCP `.metadata`, every shard file the metadata points into, long enough
+for the bytes it promises, and model tensors of the shapes the config builds. An unusable one is
+renamed to `bad-step_000120` so that neither the controller nor the workers' pruning count it again.
 """
 
 from __future__ import annotations
@@ -13,8 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cona_cli.config import Config, ModelConfig
-from cona_cli.rundir import RunDir, read_trainer_state
-from launch.committed import not_committed
+from cona_cli.rundir import MARKER, TRAINER_STATE, RunDir, read_trainer_state
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -50,9 +48,13 @@ def model_shapes(m: ModelConfig, vocab_size: int) -> Shapes:
 
 def problem(path: Path, shapes: Shapes | None) -> str | None:
     """Why the checkpoint cannot be used, or None if it looks complete and fits the model."""
-    why = not_committed(path)
-    if why is not None:
-        return why
+    if not (path / MARKER).is_file():
+        return f"no {MARKER} marker"
+    try:
+        state = read_trainer_state(path)
+        int(state["trainer"]["step"]), int(state["trainer"]["consumed_samples"])
+    except (ValueError, KeyError, TypeError) as e:
+        return f"bad {TRAINER_STATE} ({str(e).split(': ')[-1]})"
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
