@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from cona_cli.config import config_from_dict  # noqa: E402
 from cona_cli.control import usable_checkpoints as checkpoints  # noqa: E402
-from cona_cli.control.runstate import RunState, job_processes  # noqa: E402
+from cona_cli.control.runstate import RunState  # noqa: E402
 from cona_cli.rundir import RunDir, committed  # noqa: E402
 from tests.support import TINY, write_config  # noqa: E402
 
@@ -118,6 +118,20 @@ def worker_pids(run: Path) -> list[int]:
     return sorted(pid for pid, ppid in parent.items() if parent.get(ppid) == agent)
 
 
+def job_processes(run: Path) -> list[int]:
+    """Live processes whose command line names the run folder (ranks, agents, fork servers)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(run) in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                state = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z" and int(cmdline.parent.name) != os.getpid():
+                    found.append(int(cmdline.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return sorted(found)
+
+
 def checkpoint_loads(path: Path, shapes: checkpoints.Shapes, cfg_doc: dict, vocab: int) -> bool:
     """Load the model tensors of a committed checkpoint in this process."""
     import torch.distributed.checkpoint as dcp
@@ -181,7 +195,7 @@ def one_run(tmp: Path, rng: random.Random, steps: int, max_kills: int, policy: s
     _, err = proc.communicate(timeout=600)
     step_rows = [r for r in rows(run / "metrics.jsonl") if r.get("kind") == "step"]
     final = {r["step"]: r for r in step_rows}
-    leftover = sorted(job_processes(run, []))
+    leftover = job_processes(run)
     ok = proc.returncode == 0 and continuous(step_rows, steps) and not leftover
     lost = 0
     events = rows(run / "events.jsonl")

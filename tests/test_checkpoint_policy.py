@@ -68,7 +68,9 @@ def test_a_save_that_cannot_write_keeps_the_last_good_checkpoint(
     opt.step()
     root = tmp_path / "checkpoints"
     for step in (1, 2):
-        path, seconds, nbytes = checkpoint.save(root, step, model, opt, {"trainer": {"step": step}}, keep=1)
+        path, seconds, nbytes = checkpoint.save(
+            root, step, model, opt, {"trainer": {"step": step, "consumed_samples": 8 * step}}, keep=1
+        )
         assert (path / rundir.MARKER).is_file() and seconds > 0 and nbytes > 0
     assert [p.name for p in rundir.committed(root)] == ["step_000002"]  # step 1 pruned after 2 committed
 
@@ -77,14 +79,14 @@ def test_a_save_that_cannot_write_keeps_the_last_good_checkpoint(
 
     monkeypatch.setattr(fs, "_write_item", full)  # inside DCP's own write: it reaches us as CheckpointException
     with pytest.raises(checkpoint.SaveError) as raised:
-        checkpoint.save(root, 3, model, opt, {"trainer": {"step": 3}}, keep=1)
+        checkpoint.save(root, 3, model, opt, {"trainer": {"step": 3, "consumed_samples": 24}}, keep=1)
     said = str(raised.value)
     assert "\n" not in said and ".tmp-step_000003/__0_0.distcp: no space left on device; needs about" in said
     assert f"the last good checkpoint {root / 'step_000002'} is kept" in said
     monkeypatch.undo()
     monkeypatch.setenv("CONA_TEST_SAVE_ERRNO", "3:EACCES")  # rank 0's commit step
     with pytest.raises(checkpoint.SaveError, match=r"trainer.json: permission denied; .* must be writable"):
-        checkpoint.save(root, 3, model, opt, {"trainer": {"step": 3}}, keep=1)
+        checkpoint.save(root, 3, model, opt, {"trainer": {"step": 3, "consumed_samples": 24}}, keep=1)
     assert sorted(p.name for p in root.iterdir()) == ["step_000002"]  # kept, no temporary folder left
     assert (root / "step_000002" / rundir.MARKER).is_file()
 
@@ -103,7 +105,7 @@ class _Policy:
 def _checkpoint(root: Path, step: int, strategy: str) -> Path:
     path = rundir.step_dir(root, step)
     path.mkdir(parents=True)
-    state = {"trainer": {"step": step}, "strategy": Strategy.parse(strategy).to_dict()}
+    state = {"trainer": {"step": step, "consumed_samples": 8 * step}, "strategy": Strategy.parse(strategy).to_dict()}
     (path / rundir.TRAINER_STATE).write_text(json.dumps(state))
     (path / rundir.MARKER).write_text(f"{step}\n")
     return path

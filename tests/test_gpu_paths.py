@@ -166,7 +166,9 @@ def test_out_of_memory_while_loading_is_out_of_memory_and_the_checkpoint_stays(
     tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, opt = _model_and_optimizer()
-    path, _, _ = checkpoint.save(tmp_path / "ckpt", 5, model, opt, {"trainer": {"step": 5}}, keep=2)
+    path, _, _ = checkpoint.save(
+        tmp_path / "ckpt", 5, model, opt, {"trainer": {"step": 5, "consumed_samples": 40}}, keep=2
+    )
     weights = {k: v.clone() for k, v in model.state_dict().items()}
 
     def no_memory(*_: object, **__: object) -> None:  # what a CUDA read into the model's tensors raises
