@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cona_cli.cluster.slurm import requeue
 from tests.support import REPO, TINY, write_config
 
 STEPS = 10
@@ -87,10 +88,12 @@ def test_sigusr1_checkpoints_requeues_and_the_requeued_run_continues(tmp_path: P
     assert [e["step"] for e in launches] == [0, stopped]
 
 
-@pytest.mark.e2e
-def test_a_failed_requeue_says_why_and_exits_as_interrupted(tmp_path: Path) -> None:
-    done, run = _signalled_run(tmp_path, _fake_scontrol(tmp_path / "bin", 1))
-    assert done.returncode == 138, done.stderr[-3000:]
-    assert "not requeued: scontrol requeue 4242: no such job" in " ".join(done.stderr.split())
-    events = _rows(run / "events.jsonl")
-    assert events[-1]["kind"] == "exit" and events[-1]["reason"] == "interrupted"
+def test_a_failed_requeue_says_why_in_one_line(tmp_path: Path) -> None:
+    """What the controller prints before exiting 138 (interrupted; `--resume` continues)."""
+    scontrol = _fake_scontrol(tmp_path / "bin", 1)
+    env = {"SLURM_JOB_ID": "4242", "PATH": f"{scontrol}:{os.environ['PATH']}"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", env["PATH"])
+        assert requeue(env) == "scontrol requeue 4242: no such job"
+    assert (scontrol / "called").read_text().split() == ["requeue", "4242"]
+    assert requeue({}) == "not inside a Slurm job (no SLURM_JOB_ID): nothing to requeue"

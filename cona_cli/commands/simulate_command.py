@@ -25,7 +25,7 @@ def simulate_command(
     noise: float = typer.Option(0.05, "--noise", min=0.0, help="Lognormal std of a step's time."),
     gns_noise: float = typer.Option(0.5, "--gns-noise", min=0.0, help="Relative std of one step's GNS estimate."),
     true_kappa: float = typer.Option(
-        1.0, "--true-kappa", min=0.0, help="The true critical batch over the GNS the workers report."
+        1.0, "--true-kappa", help="The true critical batch over the GNS the workers report."
     ),
     truth: str | None = typer.Option(
         None, "--truth", help="Hardware profile the world runs on (default: search.hardware, the planner's)."

@@ -128,9 +128,7 @@ class Simulation:
                 row["grad_sq_raw"] = 1.0 + 0.3 * rng.gauss(0.0, 1.0)
                 row["trace_raw"] = measured * (1.0 + spec.gns_noise * rng.gauss(0.0, 1.0))
             stage = policy.on_metric(row)
-            wait = getattr(policy, "wait_for_search", None)
-            if wait is not None:
-                wait()
+            policy.wait_for_search()
             if stage is None or stage.strategy == cur:
                 continue
             new = stage.strategy
