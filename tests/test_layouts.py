@@ -80,3 +80,14 @@ def test_an_in_place_resize_continues_as_a_relaunch_would(results: dict) -> None
             for g, w in zip(got, want):
                 assert (g is None and w is None) or abs(g - w) <= 1e-5 * max(1.0, abs(w)), r
         assert abs(r["eval"][0] - r["eval"][1]) <= 1e-5, r
+
+
+def test_a_restored_snapshot_replays_its_steps_exactly(results: dict) -> None:
+    """The in-memory snapshot (paired trials) under DDP+TP, PP and FSDP+TP: after two steps and another
+    (at the doubled batch where pp = 1), restoring it repeats the same two steps bit for bit (GPT only)."""
+    if results["family"] != "gpt":
+        pytest.skip("run for the GPT family only")
+    assert sorted(results["snapshot"]) == ["ddp-tp", "fsdp-tp", "pp"]
+    for layout, r in results["snapshot"].items():
+        assert len(r["first"]) == 2 and r["first"][0] != r["first"][1], (layout, r)
+        assert r["replay"] == r["first"], (layout, r)

@@ -241,3 +241,16 @@ def test_gns_vocab_share_prints_estimates_with_and_without_the_vocab_params() ->
     for line in rows:
         whole, without = line.split("| whole model: ")[1].split(" | without vocab params: ")
         assert [w for w in whole.split()[::2]] == ["P2", "P", "1"] == [w for w in without.split()[::2]], line
+
+
+def test_paired_trials_prints_the_efficiency_ratio_of_each_trial_length_and_the_long_pair() -> None:
+    args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--arms", "4,8", "--mbs", "2", "--at", "40"]
+    proc = run_script(
+        "paired_trials.py", *args, "--samples", "16", "--windows", "2", "--horizon", "2", "--threads", "1"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("40 ")]
+    assert [r[1] for r in rows[:1]] == ["16"], proc.stdout
+    assert 0 < float(rows[0][5]) < 5, proc.stdout  # the median efficiency ratio
+    long = rows[-1]
+    assert long[1] == "L0" and len(long) == 5 and all(0 < float(e) < 5 for e in long[3:]), proc.stdout

@@ -24,6 +24,7 @@ from launch.layout import prepare_layout
 from launch.lr import learning_rate
 from launch.models import get_spec
 from launch.models.spec import IGNORE_INDEX
+from launch.snapshot import Snapshot
 from launch.worker import Worker
 from tests.dist.common import start
 
@@ -143,6 +144,22 @@ def resize_vs_relaunch(cfg, run_dir, a: Strategy, b: Strategy, i: int) -> dict:
     }
 
 
+def snapshot_replays(cfg, run_dir, s: Strategy) -> dict:
+    """Two steps, the in-memory snapshot restored, the same two steps again (with pp = 1 after a resize and a
+    step at the doubled batch in between, as a paired trial's second arm): the replay repeats them exactly."""
+    w = Worker(cfg, run_dir, s, launch=1)
+    w.train_step(False)
+    snap = Snapshot.take(w.pm.model, w.opt, w.state)
+    first = [w.train_step(False).loss for _ in range(2)]
+    if s.pp == 1:  # in-place resizes keep pp = 1
+        w.resize(dataclasses.replace(s, gbs=2 * s.gbs))
+    w.train_step(False)
+    w.state = snap.restore(w.pm.model, w.opt)
+    if s.pp == 1:
+        w.resize(s)
+    return {"first": first, "replay": [w.train_step(False).loss for _ in range(2)]}
+
+
 def main() -> None:
     run_dir, out, cfg, corpus = start()
     results: dict = {"layouts": {}, "fsdp": {}, "reshard": [], "tied_equal": []}
@@ -191,6 +208,11 @@ def main() -> None:
         results["resize"] = [
             resize_vs_relaunch(cfg, run_dir, Strategy(*a), Strategy(*b), i) for i, (a, b) in enumerate(RESIZE)
         ]
+        results["snapshot"] = {
+            "ddp-tp": snapshot_replays(cfg, run_dir, Strategy(2, 2, 1, 2, 8)),
+            "pp": snapshot_replays(cfg, run_dir, Strategy(2, 1, 2, 2, 8)),
+            "fsdp-tp": snapshot_replays(fsdp, run_dir, Strategy(2, 2, 1, 2, 8)),
+        }
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
