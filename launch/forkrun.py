@@ -13,11 +13,17 @@ its own). Ranks are never forked from the agent: its rendezvous and store thread
 and a fork taken while one of them held glibc's resolver lock left a rank deadlocked in its first
 `getaddrinfo` (seen once in the test suite). The server has a single thread (fork copies only the
 caller). Neither process touches a device (CUDA stays uninitialised, so the ranks may use it).
+
+No rank outlives its agent. The server dies with the agent (SIGKILL: it holds nothing), and each rank
+gets SIGTERM when the server goes (Linux's parent-death signal), which the worker handles like any
+stop: it finishes its step, checkpoints with the other ranks and exits. An agent lost to a crash or the
+OOM killer thus leaves no ranks that train on, hold devices or write into the run folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import multiprocessing.forkserver
 import multiprocessing.util
@@ -40,9 +46,27 @@ FALLBACK_MASTER_PORT = 29500  # what torchrun sets when none is given (unused by
 PEER_LOST_DELAY_S = 1.0
 
 
+_PR_SET_PDEATHSIG = 1
+_server_pid: int | None = None  # set in the fork server; its ranks inherit it
+
+
+def die_with_parent(sig: int, parent: int) -> None:
+    """Get `sig` when process `parent`, this one's parent, is gone (Linux; elsewhere nothing). If it
+    went before the request took effect, get it now."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
 def run_module(module: str, *args: str) -> None:
     """A rank: `MODULE.main()` with ARGS as its command line (the module is already imported)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores SIGTERM; a rank does not
+    if _server_pid is not None:
+        die_with_parent(signal.SIGTERM, _server_pid)
     sys.argv = [module, *args]
     try:
         importlib.import_module(module).main()
@@ -58,10 +82,14 @@ def _fork_server_process(path: str, args: Sequence[str], passfds: Sequence[int])
     if "-c" not in args:  # not the forkserver command this was written for: spawn it as usual
         return _spawnv_passfds(path, args, passfds)
     command = args[list(args).index("-c") + 1]
+    agent = os.getpid()
     pid = os.fork()
     if pid:
         return pid
+    global _server_pid
+    _server_pid = os.getpid()
     try:  # the child: the descriptors a spawn would have passed, then serve until the agent leaves
+        die_with_parent(signal.SIGKILL, agent)
         keep = sorted({0, 1, 2, *passfds})
         for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
             os.closerange(low + 1, high)

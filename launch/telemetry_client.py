@@ -1,7 +1,9 @@
 """Worker side of telemetry: rank 0 streams JSON lines to the controller and polls for commands.
 
-Best effort: if the controller is unreachable or goes away, training goes on (metrics.jsonl is
-written regardless).
+A job started by a controller (the environment names its address and token) must reach it: a worker
+that cannot, or whose connection breaks, checkpoints and exits (`launch.worker`), since nothing else
+would stop it. Without a controller (a worker run by hand) nothing is sent and training goes on;
+metrics.jsonl is written either way.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ class TelemetryClient:
         self._sock: socket.socket | None = None
         self._buf = b""
         addr, token = os.environ.get("CONA_TELEMETRY_ADDR"), os.environ.get("CONA_TELEMETRY_TOKEN")
+        self.expected = bool(addr and token)  # a controller started this job
         if not addr or not token:
             return
         host, _, port = addr.rpartition(":")

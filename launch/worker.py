@@ -152,7 +152,7 @@ class Worker:
         self.state.gns_from_step = self.gns_hold  # held at the start, and after each change of batch
         self.ckpt_root = self.files.checkpoints
         self.telemetry = TelemetryClient() if self.rank == 0 else None
-        self.had_controller = self.telemetry is not None and self.telemetry.connected
+        self.controlled = self.telemetry is not None and self.telemetry.expected
         self.stop_requested = False
         self.switch_requested = False  # the controller's stop command is for a switch, not the run's end
         self.resize_requested: Strategy | None = None  # rank 0: the batch the controller asked for
@@ -416,8 +416,9 @@ class Worker:
         return by_steps or by_time
 
     def poll_commands(self) -> None:
-        """Rank 0: a stop command, or a controller that went away (killed), stops the job after this step."""
-        if not self.had_controller:
+        """Rank 0: a stop command, or a controller that went away (killed) or was never reached, stops the
+        job after this step."""
+        if not self.controlled:
             return
         for msg in self.telemetry.poll():
             if msg.get("cmd") == "checkpoint_and_exit":

@@ -84,3 +84,45 @@ def test_the_agent_exits_with_torchruns_codes_without_teardown(tmp_path) -> None
         [*argv, "-m", "cona_failing_rank"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
     assert failed.returncode == 1 and "ChildFailedError" in failed.stderr and "rank failed on purpose" in failed.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited
+
+
+def test_ranks_and_their_server_do_not_outlive_a_killed_agent(tmp_path) -> None:
+    """SIGKILL the agent: its fork server dies with it and each rank gets SIGTERM (the worker's stop:
+    checkpoint, exit), so nothing of the job trains on."""
+    (tmp_path / "cona_sleeping_rank.py").write_text(
+        "import os, signal, sys, time\n"
+        "def main():\n"
+        "    base = os.path.join(sys.argv[1], os.environ['RANK'])\n"
+        "    def stop(*_):\n"
+        "        open(base + '.term', 'w').close()\n"
+        "        os._exit(0)\n"
+        "    signal.signal(signal.SIGTERM, stop)\n"
+        "    open(base + '.pids', 'w').write(f'{os.getpid()} {os.getppid()}')\n"
+        "    time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    argv = [sys.executable, "-m", "launch.forkrun", "--standalone", "--nproc-per-node=2"]
+    agent = subprocess.Popen([*argv, "-m", "cona_sleeping_rank", str(tmp_path)], cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"{r}.pids").is_file() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = {int(p) for r in (0, 1) for p in (tmp_path / f"{r}.pids").read_text().split()}
+        assert len(pids) == 3 and agent.pid not in pids  # two ranks and their server
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)]
+        assert all((tmp_path / f"{r}.term").is_file() for r in (0, 1))
+    finally:
+        agent.kill()

@@ -148,3 +148,37 @@ def test_bad_flags_exit_2_before_launching(tmp_path: Path, flag: str, value: str
     code, out = _resume(str(cfg), flag, value, "--run-dir", str(tmp_path / "run"))
     assert code == 2 and message in out and len(out.strip().splitlines()) == 1, out
     assert not (tmp_path / "run" / "events.jsonl").exists()
+
+
+def test_a_job_that_cannot_reach_the_controller_that_started_it_checkpoints_and_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A controller that died while its job started leaves nobody to stop that job: its rank 0 finds the
+    telemetry address dead, stops after the first step with a checkpoint, instead of training on."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from cona_cli.strategy import Strategy
+    from launch import worker as worker_module
+    from launch.data.corpus import prepare_corpus
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("CONA_TELEMETRY_ADDR", f"127.0.0.1:{port}")
+    monkeypatch.setenv("CONA_TELEMETRY_TOKEN", "t")
+    doc = {**TINY, "cluster": {"procs_per_node": 1}, "strategy": "dp1-tp1-pp1-mbs2-gbs4"}
+    doc["train"] = {**TINY["train"], "eval_interval": None, "max_steps": 50}
+    cfg = config_from_dict(doc, "t")
+    (tmp_path / "config.resolved.json").write_text(json.dumps(cfg.to_raw()))
+    (tmp_path / "corpus.json").write_text(prepare_corpus(cfg.data, seed=cfg.train.seed).to_json())
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        w = worker_module.Worker(cfg, tmp_path, Strategy(1, 1, 1, 2, 4), 1, torch.device("cpu"))
+        result = w.train(stop_step=None, fresh=True)
+    finally:
+        dist.destroy_process_group()
+    assert result["reason"] == "command" and result["step"] == 1, result
+    assert rundir.committed(tmp_path / "checkpoints") == [rundir.step_dir(tmp_path / "checkpoints", 1)]
