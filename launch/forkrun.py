@@ -62,18 +62,30 @@ def die_with_parent(sig: int, parent: int) -> None:
         os.kill(os.getpid(), sig)
 
 
+def _orphaned() -> bool:
+    """Whether this rank's fork server, and so its agent, is gone."""
+    return _server_pid is not None and os.getppid() != _server_pid
+
+
 def run_module(module: str, *args: str) -> None:
-    """A rank: `MODULE.main()` with ARGS as its command line (the module is already imported)."""
+    """A rank: `MODULE.main()` with ARGS as its command line (the module is already imported). A rank whose
+    agent is gone leaves as soon as `main` does: torchrun's wrapper would wait forever for the agent to
+    collect its result."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores SIGTERM; a rank does not
     if _server_pid is not None:
         die_with_parent(signal.SIGTERM, _server_pid)
     sys.argv = [module, *args]
     try:
         importlib.import_module(module).main()
-    except Exception as e:
+    except BaseException as e:
+        if _orphaned():
+            traceback.print_exc()
+            exit_without_teardown(e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1)
         if any(k in str(e) for k in PEER_LOST):
             time.sleep(PEER_LOST_DELAY_S)
         raise
+    if _orphaned():
+        exit_without_teardown(0)
 
 
 def _fork_server_process(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:

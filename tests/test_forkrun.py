@@ -96,17 +96,19 @@ def _alive(pid: int) -> bool:
 
 def test_ranks_and_their_server_do_not_outlive_a_killed_agent(tmp_path) -> None:
     """SIGKILL the agent: its fork server dies with it and each rank gets SIGTERM (the worker's stop:
-    checkpoint, exit), so nothing of the job trains on."""
+    checkpoint, return), then leaves without waiting for an agent to collect its result: nothing of the
+    job trains on or lingers."""
     (tmp_path / "cona_sleeping_rank.py").write_text(
         "import os, signal, sys, time\n"
         "def main():\n"
         "    base = os.path.join(sys.argv[1], os.environ['RANK'])\n"
-        "    def stop(*_):\n"
-        "        open(base + '.term', 'w').close()\n"
-        "        os._exit(0)\n"
-        "    signal.signal(signal.SIGTERM, stop)\n"
+        "    stop = []\n"
+        "    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # as the worker: finish, then return\n"
         "    open(base + '.pids', 'w').write(f'{os.getpid()} {os.getppid()}')\n"
-        "    time.sleep(120)\n"
+        "    deadline = time.monotonic() + 120\n"
+        "    while not stop and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        "    open(base + '.term', 'w').close()\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     argv = [sys.executable, "-m", "launch.forkrun", "--standalone", "--nproc-per-node=2"]
