@@ -3,6 +3,7 @@ and the command's output and refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -70,6 +71,23 @@ def test_the_optimum_is_at_least_as_fast_as_every_rung_and_switches_up() -> None
     assert gbs == sorted(gbs) and len(set(gbs)) > 1  # climbs as the critical batch grows
 
 
+def test_the_costed_optimum_lies_between_the_free_one_and_every_static_and_pays_for_its_switches() -> None:
+    sim = _tiny_sim()
+    stop = sim.spec.law.loss_floor() + 0.8
+    free = sim.optimum(stop).time_to(stop)
+    zero = dataclasses.replace(sim.spec, relaunch_s=0.0, storage_gbs=1e12)  # switches cost one step at most
+    at_no_cost = Simulation(sim.cfg, zero).optimum_with_costs(stop, in_place=True).time_to(stop)
+    assert at_no_cost == pytest.approx(free, rel=0.01)  # the programme finds the greedy sequence
+    costed = Simulation(sim.cfg, dataclasses.replace(sim.spec, relaunch_s=1.0)).optimum_with_costs(stop, False)
+    t = costed.time_to(stop)
+    statics = [sim.static(sim.best_at(g), stop, seed=0).time_to(stop) for g in sim.ladder]
+    assert free < t < min(s for s in statics if s is not None)  # a relaunch of ~1 s: one switch still pays
+    assert 0 < len(costed.switches) < len(sim.optimum(stop).switches)  # fewer than the free optimum's
+    assert costed.losses[-1] <= stop + 1e-9
+    dear = Simulation(sim.cfg, dataclasses.replace(sim.spec, relaunch_s=1e6)).optimum_with_costs(stop, False)
+    assert dear.switches == []  # a switch dearer than any gain: one rung throughout
+
+
 def test_the_real_policy_runs_in_the_world_and_a_seed_reproduces() -> None:
     sim = _tiny_sim(noise=0.05)
     stop = sim.spec.law.loss_floor() + 0.8
@@ -90,7 +108,15 @@ def test_cona_simulate_prints_the_preflight_and_the_table(tmp_path: Path) -> Non
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "samples/s per rung:" in out and "16 beats 8 at GNS >" in out
-    for row in ("| cona |", "| static-auto (", "| static-8 (", "| static-32 (", "| optimum sequence (free switches) |"):
+    for row in (
+        "| cona |",
+        "| static-auto (",
+        "| static-8 (",
+        "| static-32 (",
+        "| optimum sequence (free switches) |",
+        "| optimum sequence (switch costs charged) |",
+        "| costed optimum vs cona |",
+    ):
         assert row in out, out
     assert "| cona vs best static |" in out and "cona's switches (seed 0):" in out
 

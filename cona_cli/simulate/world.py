@@ -17,6 +17,7 @@ grad_sq_raw, trace_raw) and is told of switches as the controller tells it (`res
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from cona_cli.simulate.law import KaplanLaw
 from cona_cli.strategy import Strategy, resizable
 
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights, Adam's first and second moments
+OPTIMUM_POINTS = 2000  # progress steps of the costed optimum's dynamic programme
 
 
 @dataclass(frozen=True)
@@ -164,4 +166,48 @@ class Simulation:
             t += self.true_time[s]
             curve.times.append(t)
             curve.losses.append(law.loss(s_min))
+        return curve
+
+    def optimum_with_costs(self, stop_loss: float, in_place: bool, points: int = OPTIMUM_POINTS) -> Curve:
+        """The fastest sequence of rungs (each at its fastest strategy) to `stop_loss` with every switch's
+        cost charged: dynamic programming over `points` geometric steps of progress (minimal steps), where
+        one stretch at rung g takes its progress over 1/(1 + B_crit/g) steps of the true step time."""
+        law, rungs = self.spec.law, [self.best_at(g) for g in self.ladder]
+        floor = law.loss_floor()
+        if stop_loss <= floor:
+            raise ValueError(f"target loss {stop_loss:.4g} is at or below the law's floor {floor:.4g}")
+        s_stop = law.s_c / (stop_loss - floor) ** (1 / law.alpha_s)
+        grid = [0.0, *np.geomspace(1.0, max(s_stop, 1.0), points)]
+        n = len(rungs)
+        best = [0.0] * n  # fastest time to the current grid point ending at rung i
+        came: list[list[int]] = []  # per stretch, the rung each rung's best path came from
+        for lo, hi in itertools.pairwise(grid):
+            loss = law.loss((lo + hi) / 2)
+            stretch = [(hi - lo) / law.progress(r.gbs, loss) * self.true_time[r] for r in rungs]
+            step, links = [], []
+            for i, r in enumerate(rungs):
+                j = min(
+                    range(n),
+                    key=lambda j: best[j] + (0.0 if j == i else self.switch_cost(rungs[j], r, in_place)),
+                )
+                links.append(j)
+                step.append(best[j] + (0.0 if j == i else self.switch_cost(rungs[j], r, in_place)) + stretch[i])
+            best, came = step, [*came, links]
+        path = [min(range(n), key=best.__getitem__)]
+        for links in reversed(came[1:]):
+            path.append(links[path[-1]])
+        path.reverse()
+        curve, t = Curve(), 0.0
+        for k, (lo, hi) in enumerate(itertools.pairwise(grid)):
+            r = rungs[path[k]]
+            if k and path[k] != path[k - 1]:
+                t += self.switch_cost(rungs[path[k - 1]], r, in_place)
+                curve.switches.append((t, rungs[path[k - 1]], r))
+                curve.times.append(t)
+                curve.losses.append(curve.losses[-1])
+            t += (hi - lo) / law.progress(r.gbs, law.loss((lo + hi) / 2)) * self.true_time[r]
+            if t > self.spec.max_time:
+                break
+            curve.times.append(t)
+            curve.losses.append(law.loss(hi))
         return curve
