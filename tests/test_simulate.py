@@ -153,3 +153,14 @@ def test_the_paper_configs_simulate() -> None:
     assert result.exit_code == 0, result.output
     times = json.loads(result.stdout)["times_s"]
     assert all(t is not None for t in times["optimum sequence (free switches)"][0])
+
+
+def test_cona_simulate_plot_writes_a_png_or_refuses_an_unwritable_path(tmp_path: Path) -> None:
+    out = tmp_path / "figs" / "sim.png"
+    result = _cli(tmp_path, "--targets", "3000", "--seeds", "1", "--plot", str(out))
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    (tmp_path / "file").write_text("")
+    refused = _cli(tmp_path, "--targets", "3000", "--seeds", "1", "--plot", str(tmp_path / "file" / "sim.png"))
+    assert refused.exit_code != 0 and "--plot: cannot write" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1

@@ -34,6 +34,9 @@ def simulate_command(
     storage_gbs: float = typer.Option(2.0, "--storage-gbs", min=1e-6, help="Checkpoint save and load, GB/s."),
     max_time: float = typer.Option(14 * 24 * 3600.0, "--max-time", min=1.0, help="Simulated seconds at most."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Also write a PNG: perplexity and global batch against time (seed 0)."
+    ),
     sets: list[str] | None = typer.Option(
         None, "--set", metavar="SECTION.KEY=VALUE", help="Override one config value (YAML)."
     ),
@@ -75,6 +78,8 @@ def simulate_command(
     runs["optimum sequence (free switches)"] = [optimum]
     runs["optimum sequence (switch costs charged)"] = [costed]
     table = {name: [[c.time_to(math.log(p)) for p in ppls] for c in curves] for name, curves in runs.items()}
+    if plot is not None:
+        _plot(runs, table, ppls, plot)
     if as_json:
         out = {
             "config": str(config),
@@ -98,6 +103,23 @@ def simulate_command(
         typer.echo(
             f"{label}: " + (", ".join(f"{a.gbs} → {b.gbs} at {_dur(t)}" for t, a, b in curve.switches) or "none")
         )
+
+
+def _plot(runs: dict[str, list[Any]], table: dict[str, list[list[float | None]]], ppls: list[float], out: Path) -> None:
+    """Seed 0 of cona, static-auto, the static fastest to the last target, and both optima."""
+    from cona_cli.simulate.plot import plot_simulation  # matplotlib only when asked for
+
+    statics = [k for k in runs if k.startswith("static-") and not k.startswith("static-auto")]
+    reached = [k for k in statics if table[k][0][-1] is not None]
+    best = [min(reached, key=lambda k: table[k][0][-1])] if reached else []
+    chosen = ["cona", *[k for k in runs if k.startswith("static-auto")], *best]
+    chosen += [k for k in runs if k.startswith("optimum")]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        plot_simulation({k: runs[k][0] for k in chosen}, ppls, out)
+    except OSError as e:
+        raise fail("cona simulate", f"--plot: cannot write {out}: {e}") from None
+    typer.echo(f"cona simulate: wrote {out}", err=True)
 
 
 def _targets(text: str | None, target_ppl: float | None) -> list[float]:

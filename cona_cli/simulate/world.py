@@ -56,6 +56,7 @@ class Curve:
     times: list[float] = field(default_factory=lambda: [0.0])
     losses: list[float] = field(default_factory=lambda: [math.inf])
     switches: list[tuple[float, Strategy, Strategy]] = field(default_factory=list)
+    first: Strategy | None = None  # what it started with
 
     def time_to(self, loss: float) -> float | None:
         """When the loss first reached `loss` (linear between steps), None if it never did."""
@@ -109,7 +110,7 @@ class Simulation:
         rng = random.Random(seed)
         policy.events = _Decisions()
         cur = policy.first().strategy
-        curve, t, s_min, step, consumed, launch, held = Curve(), 0.0, 0.0, 0, 0, 1, self.hold
+        curve, t, s_min, step, consumed, launch, held = Curve(first=cur), 0.0, 0.0, 0, 0, 1, self.hold
         tr = self.cfg.train
         budget = min(spec.max_time, tr.max_time or math.inf)
         steps = tr.max_steps or math.inf
@@ -159,7 +160,9 @@ class Simulation:
         while t < self.spec.max_time and curve.losses[-1] > stop_loss:
             loss = curve.losses[-1]
             s = max(best.values(), key=lambda s: law.progress(s.gbs, loss) / self.true_time[s])
-            if cur is not None and s != cur:
+            if cur is None:
+                curve.first = s
+            elif s != cur:
                 curve.switches.append((t, cur, s))
             cur = s
             s_min += law.progress(s.gbs, loss)
@@ -177,7 +180,7 @@ class Simulation:
         if stop_loss <= floor:
             raise ValueError(f"target loss {stop_loss:.4g} is at or below the law's floor {floor:.4g}")
         s_stop = law.s_c / (stop_loss - floor) ** (1 / law.alpha_s)
-        grid = [0.0, *np.geomspace(1.0, max(s_stop, 1.0), points)]
+        grid = [0.0, *np.geomspace(1.0, max(s_stop * (1 + 1e-9), 1.0), points)]  # just past: reaches stop_loss
         n = len(rungs)
         best = [0.0] * n  # fastest time to the current grid point ending at rung i
         came: list[list[int]] = []  # per stretch, the rung each rung's best path came from
@@ -197,7 +200,7 @@ class Simulation:
         for links in reversed(came[1:]):
             path.append(links[path[-1]])
         path.reverse()
-        curve, t = Curve(), 0.0
+        curve, t = Curve(first=rungs[path[0]]), 0.0
         for k, (lo, hi) in enumerate(itertools.pairwise(grid)):
             r = rungs[path[k]]
             if k and path[k] != path[k - 1]:
