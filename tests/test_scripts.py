@@ -254,3 +254,20 @@ def test_paired_trials_prints_the_efficiency_ratio_of_each_trial_length_and_the_
     assert 0 < float(rows[0][5]) < 5, proc.stdout  # the median efficiency ratio
     long = rows[-1]
     assert long[1] == "L0" and len(long) == 5 and all(0 < float(e) < 5 for e in long[3:]), proc.stdout
+
+
+def test_bench_prepare_prints_peak_memory_and_the_rate_against_the_raw_tokenizer(tmp_path: Path) -> None:
+    words = [f"w{i % 97}x{i % 13}" for i in range(20_000)]
+    text = "\n".join(" ".join(words[i : i + 12]) for i in range(0, len(words), 12)) + "\n"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.txt").write_text(text * 10)
+    (tmp_path / "data" / "valid.txt").write_text(text)
+    proc = run_script(
+        "bench_prepare.py", "--data", str(tmp_path / "data"), "--mb", "3", "--raw-mb", "1", "--vocab", "512",
+        "--keep", str(tmp_path / "work"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert number(r"peak RSS of the preparing process: (\d+) MiB", proc.stdout) > 50
+    assert 0.05 < number(r"preparation / raw tokenizer rate: ([\d.]+)", proc.stdout) < 5
+    tokens = number(r"prepared: ([\d,]+) train", proc.stdout.replace(",", ""))
+    assert tokens > 100_000 and (tmp_path / "work" / "corpus" / "train.txt").stat().st_size >= 3_000_000
