@@ -200,9 +200,10 @@ def one_run(tmp: Path, rng: random.Random, steps: int, max_kills: int, policy: s
     lost = 0
     events = rows(run / "events.jsonl")
     failures = sum(e.get("kind") == "failure" for e in events)
-    # Each kill of a rank or an agent fails its launch once; any failure beyond those is recovery's own
-    # (a relaunch refused a checkpoint, a resumed job collided with a live one, ...).
-    extra_failures = failures - sum(kills[k] for k in ("worker", "agent", "switch-save"))
+    # Each kill of a rank or an agent fails its launch at most once (not when it hit a job whose controller
+    # was dead: the job just stops); any failure beyond those is recovery's own (a relaunch refused a
+    # checkpoint, a resumed job collided with a live one, ...).
+    extra_failures = max(0, failures - sum(kills[k] for k in ("worker", "agent", "switch-save")))
     for e in events:  # steps reached before a recovery minus the step it restored
         if e.get("kind") == "launch" and e.get("reason") in ("restart", "resume"):
             reached = max((r["step"] for r in step_rows if r["wall_clock"] < e["wall_clock"]), default=0)
