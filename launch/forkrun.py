@@ -68,15 +68,19 @@ def _orphaned() -> bool:
 
 
 def run_module(module: str, *args: str) -> None:
-    """A rank: `MODULE.main()` with ARGS as its command line (the module is already imported). A rank whose
-    agent is gone leaves as soon as `main` does: torchrun's wrapper would wait forever for the agent to
-    collect its result."""
+    """A rank: `MODULE.main()` with ARGS as its command line (the module is already imported).
+
+    Once `main` returns, torchrun's wrapper waits for the agent to read the rank's return value. An agent
+    that is gone, or that is stopping its job with SIGTERM, never reads it, so such a rank (checkpointed,
+    done) would linger until the agent's 30 s close timeout kills it, or for ever. It leaves at once
+    instead: when its fork server is gone, or when MODULE says a signal stopped it (`signalled`)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores SIGTERM; a rank does not
     if _server_pid is not None:
         die_with_parent(signal.SIGTERM, _server_pid)
     sys.argv = [module, *args]
+    mod = importlib.import_module(module)
     try:
-        importlib.import_module(module).main()
+        mod.main()
     except BaseException as e:
         if _orphaned():
             traceback.print_exc()
@@ -84,7 +88,7 @@ def run_module(module: str, *args: str) -> None:
         if any(k in str(e) for k in PEER_LOST):
             time.sleep(PEER_LOST_DELAY_S)
         raise
-    if _orphaned():
+    if _orphaned() or getattr(mod, "signalled", False):
         exit_without_teardown(0)
 
 

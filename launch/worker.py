@@ -523,6 +523,14 @@ def main() -> None:
     run(args.run_dir, args.strategy, args.launch, args.resume, args.stop_step)
 
 
+signalled = False  # SIGTERM stopped this rank: its agent is stopping the job and reads no result (launch.forkrun)
+
+
+def _stop_on_signal(worker: Worker) -> None:
+    global signalled
+    signalled = worker.stop_requested = True
+
+
 def run(
     run_dir: Path,
     strategy: Strategy,
@@ -546,7 +554,7 @@ def run(
     with exit_on_out_of_memory(lambda: strategy, device):
         worker = Worker(cfg, run_dir, strategy, launch, device, layout if resume is not None else None)
     # SIGTERM from torchrun or the controller: finish the step, checkpoint, exit.
-    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop_requested", True))
+    signal.signal(signal.SIGTERM, lambda *_: _stop_on_signal(worker))
     if resume is not None:
         try:
             with exit_on_out_of_memory(lambda: strategy, device):  # memory, not the checkpoint: it stays

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -128,3 +129,40 @@ def test_ranks_and_their_server_do_not_outlive_a_killed_agent(tmp_path) -> None:
         assert all((tmp_path / f"{r}.term").is_file() for r in (0, 1))
     finally:
         agent.kill()
+
+
+def test_ranks_stopped_by_sigterm_leave_without_waiting_for_the_agent_to_collect_them(tmp_path) -> None:
+    """SIGTERM to the job's process group (how the controller and a node's agent stop a job): ranks that
+    say a signal stopped them (`signalled`) leave once main returns, instead of waiting for a result
+    the stopping agent never reads until its 30 s close timeout kills them."""
+    (tmp_path / "cona_stopped_rank.py").write_text(
+        "import os, signal, sys, time\n"
+        "signalled = False\n"
+        "def main():\n"
+        "    def stop(*_):\n"
+        "        global signalled\n"
+        "        signalled = True\n"
+        "    signal.signal(signal.SIGTERM, stop)\n"
+        "    open(os.path.join(sys.argv[1], os.environ['RANK'] + '.pid'), 'w').write(str(os.getpid()))\n"
+        "    deadline = time.monotonic() + 120\n"
+        "    while not signalled and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    argv = [sys.executable, "-m", "launch.forkrun", "--standalone", "--nproc-per-node=2"]
+    agent = subprocess.Popen(
+        [*argv, "-m", "cona_stopped_rank", str(tmp_path)], cwd=REPO, env=env, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"{r}.pid").is_file() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ranks = [int((tmp_path / f"{r}.pid").read_text()) for r in (0, 1)]
+        os.killpg(agent.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20  # torchrun's close timeout is 30 s: a rank waiting on it is still here
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in ranks if _alive(p)]
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
