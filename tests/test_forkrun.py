@@ -95,74 +95,69 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status  # a zombie has exited
 
 
+def _two_waiting_ranks(tmp_path, name: str, source: str) -> tuple[subprocess.Popen, list[list[int]]]:
+    """Start forkrun (its own process group) with two ranks of module `name`, whose main writes
+    `RANK.pids` (its pid and its parent's) and then runs `source`; returns the agent and each rank's pids."""
+    head = "import os, signal, sys, time\nsignalled = stopped = False\ndef main():\n"
+    pids = "    out = os.path.join(sys.argv[1], os.environ['RANK'])\n"
+    pids += "    open(out + '.pids', 'w').write(f'{os.getpid()} {os.getppid()}')\n"
+    (tmp_path / f"{name}.py").write_text(head + pids + source)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    argv = [sys.executable, "-m", "launch.forkrun", "--standalone", "--nproc-per-node=2", "-m", name, str(tmp_path)]
+    agent = subprocess.Popen(argv, cwd=REPO, env=env, start_new_session=True)
+    files = [tmp_path / f"{r}.pids" for r in (0, 1)]
+    deadline = time.monotonic() + 60
+    while not all(f.is_file() and f.read_text().count(" ") == 1 for f in files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return agent, [[int(p) for p in f.read_text().split()] for f in files]
+
+
+def _still_alive_after(pids: set[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _until_sigterm(flag: str) -> str:
+    """A rank's main that handles SIGTERM as the worker does: set module global `flag`, finish, return."""
+    return (
+        "    def stop(*_):\n"
+        f"        global {flag}\n"
+        f"        {flag} = True\n"
+        "    signal.signal(signal.SIGTERM, stop)\n"
+        "    deadline = time.monotonic() + 120\n"
+        f"    while not {flag} and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+    )
+
+
 def test_ranks_and_their_server_do_not_outlive_a_killed_agent(tmp_path) -> None:
     """SIGKILL the agent: its fork server dies with it and each rank gets SIGTERM (the worker's stop:
     checkpoint, return), then leaves without waiting for an agent to collect its result: nothing of the
-    job trains on or lingers."""
-    (tmp_path / "cona_sleeping_rank.py").write_text(
-        "import os, signal, sys, time\n"
-        "def main():\n"
-        "    base = os.path.join(sys.argv[1], os.environ['RANK'])\n"
-        "    stop = []\n"
-        "    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # as the worker: finish, then return\n"
-        "    open(base + '.pids', 'w').write(f'{os.getpid()} {os.getppid()}')\n"
-        "    deadline = time.monotonic() + 120\n"
-        "    while not stop and time.monotonic() < deadline:\n"
-        "        time.sleep(0.05)\n"
-        "    open(base + '.term', 'w').close()\n"
-    )
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
-    argv = [sys.executable, "-m", "launch.forkrun", "--standalone", "--nproc-per-node=2"]
-    agent = subprocess.Popen([*argv, "-m", "cona_sleeping_rank", str(tmp_path)], cwd=REPO, env=env)
+    job trains on or lingers. (These ranks leave `signalled` False: only their dead server lets them go.)"""
+    term = "    open(out + '.term', 'w').close()\n"
+    agent, ranks = _two_waiting_ranks(tmp_path, "cona_sleeping_rank", _until_sigterm("stopped") + term)
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"{r}.pids").is_file() for r in (0, 1)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        pids = {int(p) for r in (0, 1) for p in (tmp_path / f"{r}.pids").read_text().split()}
+        pids = {p for rank in ranks for p in rank}
         assert len(pids) == 3 and agent.pid not in pids  # two ranks and their server
         agent.kill()
         agent.wait()
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in pids if _alive(p)]
+        assert not _still_alive_after(pids, 10)
         assert all((tmp_path / f"{r}.term").is_file() for r in (0, 1))
     finally:
-        agent.kill()
+        os.killpg(agent.pid, signal.SIGKILL)
 
 
 def test_ranks_stopped_by_sigterm_leave_without_waiting_for_the_agent_to_collect_them(tmp_path) -> None:
     """SIGTERM to the job's process group (how the controller and a node's agent stop a job): ranks that
     say a signal stopped them (`signalled`) leave once main returns, instead of waiting for a result
     the stopping agent never reads until its 30 s close timeout kills them."""
-    (tmp_path / "cona_stopped_rank.py").write_text(
-        "import os, signal, sys, time\n"
-        "signalled = False\n"
-        "def main():\n"
-        "    def stop(*_):\n"
-        "        global signalled\n"
-        "        signalled = True\n"
-        "    signal.signal(signal.SIGTERM, stop)\n"
-        "    open(os.path.join(sys.argv[1], os.environ['RANK'] + '.pid'), 'w').write(str(os.getpid()))\n"
-        "    deadline = time.monotonic() + 120\n"
-        "    while not signalled and time.monotonic() < deadline:\n"
-        "        time.sleep(0.05)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
-    argv = [sys.executable, "-m", "launch.forkrun", "--standalone", "--nproc-per-node=2"]
-    agent = subprocess.Popen(
-        [*argv, "-m", "cona_stopped_rank", str(tmp_path)], cwd=REPO, env=env, start_new_session=True
-    )
+    agent, ranks = _two_waiting_ranks(tmp_path, "cona_stopped_rank", _until_sigterm("signalled"))
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"{r}.pid").is_file() for r in (0, 1)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        ranks = [int((tmp_path / f"{r}.pid").read_text()) for r in (0, 1)]
         os.killpg(agent.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20  # torchrun's close timeout is 30 s: a rank waiting on it is still here
-        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in ranks if _alive(p)]
+        # torchrun's close timeout is 30 s: a rank waiting on it would still be here after 20
+        assert not _still_alive_after({pid for pid, _ in ranks}, 20)
     finally:
         os.killpg(agent.pid, signal.SIGKILL)
         agent.wait()

@@ -139,6 +139,13 @@ def test_cona_simulate_json(tmp_path: Path) -> None:
         (("--targets", "0.5"), "perplexities must be > 1"),
         (("--targets", "100", "--true-kappa", "0"), "--true-kappa: must be > 0"),
         (("--targets", "100", "--truth", "no-such-profile"), "no-such-profile"),
+        (
+            (
+                "--targets",
+                "1.01",
+            ),
+            "--targets: ppl 1.01 is below the law's floor for this model",
+        ),
     ],
 )
 def test_cona_simulate_refuses_bad_input_in_one_line(tmp_path: Path, args: tuple[str, ...], message: str) -> None:

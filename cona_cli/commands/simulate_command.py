@@ -65,6 +65,11 @@ def simulate_command(
     if not sim.space:
         raise fail("cona simulate", f"no feasible strategy on {world_hw.name} for this config")
     stop = math.log(min(ppls))
+    if stop <= law.loss_floor():
+        floor = math.exp(law.loss_floor())
+        raise fail(
+            "cona simulate", f"--targets: ppl {min(ppls):g} is below the law's floor for this model (ppl {floor:.4g})"
+        )
     auto = fastest_strategy(cfg, hw)
     runs: dict[str, list[Any]] = {"cona": [], f"static-auto ({auto})": []}
     runs |= {f"static-{g} ({sim.best_at(g)})": [] for g in sim.ladder}

@@ -182,33 +182,29 @@ class Simulation:
         s_stop = law.s_c / (stop_loss - floor) ** (1 / law.alpha_s)
         grid = [0.0, *np.geomspace(1.0, max(s_stop * (1 + 1e-9), 1.0), points)]  # just past: reaches stop_loss
         n = len(rungs)
+        cost = [[0.0 if i == j else self.switch_cost(rungs[j], rungs[i], in_place) for j in range(n)] for i in range(n)]
         best = [0.0] * n  # fastest time to the current grid point ending at rung i
         came: list[list[int]] = []  # per stretch, the rung each rung's best path came from
+        stretches: list[list[float]] = []  # per stretch, its seconds at each rung
         for lo, hi in itertools.pairwise(grid):
             loss = law.loss((lo + hi) / 2)
             stretch = [(hi - lo) / law.progress(r.gbs, loss) * self.true_time[r] for r in rungs]
-            step, links = [], []
-            for i, r in enumerate(rungs):
-                j = min(
-                    range(n),
-                    key=lambda j: best[j] + (0.0 if j == i else self.switch_cost(rungs[j], r, in_place)),
-                )
-                links.append(j)
-                step.append(best[j] + (0.0 if j == i else self.switch_cost(rungs[j], r, in_place)) + stretch[i])
-            best, came = step, [*came, links]
+            links = [min(range(n), key=lambda j: best[j] + cost[i][j]) for i in range(n)]
+            best = [best[j] + cost[i][j] + stretch[i] for i, j in enumerate(links)]
+            came.append(links)
+            stretches.append(stretch)
         path = [min(range(n), key=best.__getitem__)]
         for links in reversed(came[1:]):
             path.append(links[path[-1]])
         path.reverse()
         curve, t = Curve(first=rungs[path[0]]), 0.0
-        for k, (lo, hi) in enumerate(itertools.pairwise(grid)):
-            r = rungs[path[k]]
-            if k and path[k] != path[k - 1]:
-                t += self.switch_cost(rungs[path[k - 1]], r, in_place)
-                curve.switches.append((t, rungs[path[k - 1]], r))
+        for k, (i, hi) in enumerate(zip(path, grid[1:])):
+            if k and i != path[k - 1]:
+                t += cost[i][path[k - 1]]
+                curve.switches.append((t, rungs[path[k - 1]], rungs[i]))
                 curve.times.append(t)
                 curve.losses.append(curve.losses[-1])
-            t += (hi - lo) / law.progress(r.gbs, law.loss((lo + hi) / 2)) * self.true_time[r]
+            t += stretches[k][i]
             if t > self.spec.max_time:
                 break
             curve.times.append(t)
