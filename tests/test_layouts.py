@@ -17,21 +17,29 @@ pytestmark = pytest.mark.e2e
 MODEL = {"gpt": {}, "llama": {"n_heads": 8, "n_kv_heads": 4}, "bert": {}}
 
 
-@pytest.fixture(scope="module", params=sorted(MODEL))
-def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+@pytest.fixture(scope="module")
+def every_family(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One torchrun over every family's run folder: family -> its results."""
     from cona_cli.config import config_from_dict
     from launch.data.corpus import prepare_corpus
     from launch.models import get_spec
 
-    family = request.param
-    run_dir = tmp_path_factory.mktemp(f"layouts-{family}")
-    cfg = config_from_dict({**TINY, "model": {**TINY["model"], "family": family, **MODEL[family]}}, "tiny")
-    (run_dir / "config.resolved.json").write_text(json.dumps(cfg.to_raw()))
-    corpus = prepare_corpus(cfg.data, seed=cfg.train.seed, special_tokens=get_spec(family).special_tokens)
-    (run_dir / "corpus.json").write_text(corpus.to_json())
-    out = run_dir / "results.json"
-    torchrun(REPO / "tests" / "dist" / "layouts.py", 4, str(run_dir), str(out))
-    return {"family": family, **json.loads(out.read_text())}
+    dirs = []
+    for family in sorted(MODEL):
+        run_dir = tmp_path_factory.mktemp(f"layouts-{family}")
+        cfg = config_from_dict({**TINY, "model": {**TINY["model"], "family": family, **MODEL[family]}}, "tiny")
+        (run_dir / "config.resolved.json").write_text(json.dumps(cfg.to_raw()))
+        corpus = prepare_corpus(cfg.data, seed=cfg.train.seed, special_tokens=get_spec(family).special_tokens)
+        (run_dir / "corpus.json").write_text(corpus.to_json())
+        dirs.append(str(run_dir))
+    out = tmp_path_factory.mktemp("layouts") / "results.json"
+    torchrun(REPO / "tests" / "dist" / "layouts.py", 4, str(out), *dirs, timeout=900)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module", params=sorted(MODEL))
+def results(request: pytest.FixtureRequest, every_family: dict) -> dict:
+    return {"family": request.param, **every_family[request.param]}
 
 
 def test_every_layout_matches_single_process(results: dict) -> None:
@@ -49,20 +57,23 @@ def test_every_layout_matches_single_process(results: dict) -> None:
 
 def test_reshard_keeps_weights_moments_and_loss(results: dict) -> None:
     pairs = {(r["from"], r["to"]) for r in results["reshard"]}
-    assert ("dp2-tp2-pp1-mbs2-gbs16", "dp4-tp1-pp1-mbs2-gbs16") in pairs
+    if results["family"] == "gpt":
+        assert ("dp2-tp2-pp1-mbs2-gbs16", "dp4-tp1-pp1-mbs2-gbs16") in pairs and len(pairs) == 4
     assert ("dp2-tp2-pp1-mbs2-gbs16", "dp2-tp1-pp2-mbs1-gbs32") in pairs  # gbs and mbs change too
     for r in results["reshard"]:
         assert r["same_keys"] and r["keys"] > 30, r
         assert r["max_abs_diff"] <= 1e-5, r
         assert abs(r["loss_before"] - r["loss_after"]) <= 1e-5, r
         assert (r["step"], r["consumed"]) == (2, 32), r
-    assert [r["prepared"] for r in results["reshard"]] == [False, True, False, False]  # a standby's prepared layout
+    prepared = [r["prepared"] for r in results["reshard"]]  # the standby's layout built ahead: the second pair
+    assert prepared == ([False, True, False, False] if results["family"] == "gpt" else [True, False])
 
 
 def test_a_checkpoint_one_rank_cannot_read_fails_every_rank(results: dict) -> None:
     errors = results["load_failure"]
     assert len(errors) == 4 and len(set(errors)) == 1, errors
-    assert "cannot load (ValueError: shard garbled on this rank)" in errors[0] and "ckpt_3" in errors[0]
+    last = f"ckpt_{len(results['reshard']) - 1}"  # the last reshard pair's checkpoint
+    assert "cannot load (ValueError: shard garbled on this rank)" in errors[0] and last in errors[0]
 
 
 def test_an_in_place_resize_continues_as_a_relaunch_would(results: dict) -> None:

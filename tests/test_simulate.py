@@ -15,7 +15,7 @@ from cona_cli.app import app
 from cona_cli.config import config_from_dict
 from cona_cli.control.cona_policy import ConaPolicy
 from cona_cli.planner.hardware import load_hardware
-from cona_cli.simulate.law import KaplanLaw
+from cona_cli.simulate.law import KaplanDynamics, KaplanLaw
 from cona_cli.simulate.world import Curve, Simulation, WorldSpec
 from tests.support import REPO, TINY, write_config
 
@@ -52,13 +52,13 @@ def _tiny_sim(noise: float = 0.0) -> Simulation:
     doc = _tiny_doc(64)
     cfg = config_from_dict(doc, "tiny")
     shape = ConaPolicy(cfg, load_hardware("cpu-local")).workload.shape
-    law = KaplanLaw(shape.n_layers * shape.layer_params, cfg.model.seq_len)
+    law = KaplanDynamics(KaplanLaw(shape.n_layers * shape.layer_params, cfg.model.seq_len), 8)
     return Simulation(cfg, WorldSpec(law, load_hardware("cpu-local"), noise=noise, max_time=3600.0))
 
 
 def test_the_optimum_is_at_least_as_fast_as_every_rung_and_switches_up() -> None:
     sim = _tiny_sim()
-    floor = sim.spec.law.loss_floor()
+    floor = sim.spec.dynamics.floor()
     targets = [floor + 3.0, floor + 1.5, floor + 0.8]
     optimum = sim.optimum(min(targets))
     for g in sim.ladder:
@@ -73,7 +73,7 @@ def test_the_optimum_is_at_least_as_fast_as_every_rung_and_switches_up() -> None
 
 def test_the_costed_optimum_lies_between_the_free_one_and_every_static_and_pays_for_its_switches() -> None:
     sim = _tiny_sim()
-    stop = sim.spec.law.loss_floor() + 0.8
+    stop = sim.spec.dynamics.floor() + 0.8
     free = sim.optimum(stop).time_to(stop)
     zero = dataclasses.replace(sim.spec, relaunch_s=0.0, storage_gbs=1e12)  # switches cost one step at most
     at_no_cost = Simulation(sim.cfg, zero).optimum_with_costs(stop, in_place=True).time_to(stop)
@@ -90,7 +90,7 @@ def test_the_costed_optimum_lies_between_the_free_one_and_every_static_and_pays_
 
 def test_the_real_policy_runs_in_the_world_and_a_seed_reproduces() -> None:
     sim = _tiny_sim(noise=0.05)
-    stop = sim.spec.law.loss_floor() + 0.8
+    stop = sim.spec.dynamics.floor() + 0.8
     cfg, hw = sim.cfg, load_hardware("cpu-local")
     first = sim.run(ConaPolicy(cfg, hw), stop, seed=3)
     again = sim.run(ConaPolicy(cfg, hw), stop, seed=3)
@@ -171,3 +171,29 @@ def test_cona_simulate_plot_writes_a_png_or_refuses_an_unwritable_path(tmp_path:
     refused = _cli(tmp_path, "--targets", "3000", "--seeds", "1", "--plot", str(tmp_path / "file" / "sim.png"))
     assert refused.exit_code != 0 and "--plot: cannot write" in refused.output
     assert len(refused.output.strip().splitlines()) == 1
+
+
+def test_the_ceiling_bounds_any_rung_over_every_noise_scale() -> None:
+    from cona_cli.planner.ceiling import ceiling
+
+    rates = {8: 60.0, 16: 104.0, 32: 180.0}  # samples/s; the static pick at 16
+    top = ceiling(rates, 16)
+    assert (top.rung, top.ratio) == (32, pytest.approx(180 / 104)) and top.pays  # at a large GNS
+    low = ceiling(rates, 32)
+    assert low.rung == 8 and low.ratio == pytest.approx((60 / 8) / (180 / 32))  # steps/s, at GNS 0
+    flat = ceiling({8: 100.0, 16: 102.0}, 8)
+    assert not flat.pays and "at most 1.02× over the offline planner's pick (gbs 8) here" in flat.verdict()
+    assert "stay static" in flat.verdict()
+
+
+def test_train_says_at_start_when_chaining_cannot_pay(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from cona_cli.commands.train_command import _warn_if_chaining_cannot_pay
+
+    one_rung = {**_tiny_doc(8), "policy": "cona"}
+    cfg = config_from_dict(one_rung, "tiny")
+    _warn_if_chaining_cannot_pay(cfg)
+    assert "cona: note: chaining can gain at most 1× over" in capsys.readouterr().err
+    _warn_if_chaining_cannot_pay(config_from_dict({**_tiny_doc(64), "policy": "cona"}, "tiny"))
+    assert capsys.readouterr().err == ""  # a ladder that can pay: nothing said
+    dry = runner.invoke(app, ["train", str(write_config(tmp_path / "one.yaml", one_rung)), "--dry-run"])
+    assert dry.exit_code == 0 and "chaining: chaining can gain at most 1× over" in dry.stdout, dry.output

@@ -74,7 +74,12 @@ def dry_run_plan(cfg: Config) -> None:
         f"world: {c.world} ({c.nodes} node(s) x {c.procs_per_node}, launcher {c.launcher})",
         f"backend: {_backend(cfg)}",
         f"schedule: {schedule}, lr {t.lr:g}; stop: {', '.join(stops) or 'the chain'}",
-        "dry run: nothing launched, no run folder written",
     ]
+    if cfg.policy == "cona":
+        from cona_cli.planner.ceiling import planned_ceiling
+
+        found = planned_ceiling(cfg, load_hardware(cfg.search.hardware))
+        lines.append(f"chaining: {found.verdict() if found else 'no feasible strategy at gbs_static'}")
+    lines.append("dry run: nothing launched, no run folder written")
     for line in lines:
         typer.echo(line)

@@ -27,6 +27,18 @@ def simulate_command(
     true_kappa: float = typer.Option(
         1.0, "--true-kappa", help="The true critical batch over the GNS the workers report."
     ),
+    lr_sensitivity: float = typer.Option(
+        0.0,
+        "--lr-sensitivity",
+        help="A step at batch b is worth (b / lowest rung)^this times the law's progress (> 0: larger batches "
+        "need fewer samples).",
+    ),
+    from_run: list[Path] | None = typer.Option(
+        None,
+        "--from-run",
+        help="Static runs of this config (repeatable): the world follows their loss curves, GNS and step times "
+        "instead of Kaplan's law.",
+    ),
     truth: str | None = typer.Option(
         None, "--truth", help="Hardware profile the world runs on (default: search.hardware, the planner's)."
     ),
@@ -53,23 +65,30 @@ def simulate_command(
         raise fail("cona simulate", str(e)) from None
     if true_kappa <= 0:
         raise fail("cona simulate", "--true-kappa: must be > 0")
+    if from_run and (true_kappa != 1.0 or lr_sensitivity != 0.0 or gns_noise != 0.5):
+        raise fail(
+            "cona simulate",
+            "--from-run: the runs set the world; --true-kappa, --lr-sensitivity and --gns-noise are for Kaplan's law",
+        )
     from cona_cli.control.cona_policy import ConaPolicy, fastest_strategy
-    from cona_cli.planner.workload import Workload
-    from cona_cli.simulate.law import KaplanLaw
     from cona_cli.simulate.world import Simulation, WorldSpec
 
-    shape = Workload.from_config(cfg).shape
-    law = KaplanLaw(shape.n_layers * shape.layer_params, cfg.model.seq_len)
-    spec = WorldSpec(law, world_hw, noise, gns_noise, true_kappa, relaunch_s, storage_gbs, max_time)
+    try:
+        dynamics = _dynamics(cfg, from_run, true_kappa, gns_noise, lr_sensitivity)
+    except ValueError as e:
+        raise fail("cona simulate", str(e)) from None
+    measured, start_s, eval_s = {}, 0.0, 0.0
+    if from_run:
+        measured, (start_s, eval_s) = dynamics.measured_times(), dynamics.overheads()
+    spec = WorldSpec(dynamics, world_hw, noise, measured, start_s, eval_s, relaunch_s, storage_gbs, max_time)
     sim = Simulation(cfg, spec)
     if not sim.space:
         raise fail("cona simulate", f"no feasible strategy on {world_hw.name} for this config")
     stop = math.log(min(ppls))
-    if stop <= law.loss_floor():
-        floor = math.exp(law.loss_floor())
-        raise fail(
-            "cona simulate", f"--targets: ppl {min(ppls):g} is below the law's floor for this model (ppl {floor:.4g})"
-        )
+    if stop <= dynamics.floor():
+        floor = math.exp(dynamics.floor())
+        what = "how far the runs' curves extend" if from_run else "the law's floor for this model"
+        raise fail("cona simulate", f"--targets: ppl {min(ppls):g} is below {what} (ppl {floor:.4g})")
     auto = fastest_strategy(cfg, hw)
     runs: dict[str, list[Any]] = {"cona": [], f"static-auto ({auto})": []}
     runs |= {f"static-{g} ({sim.best_at(g)})": [] for g in sim.ladder}
@@ -100,6 +119,7 @@ def simulate_command(
         typer.echo(json.dumps(out, indent=2))
         return
     typer.echo(_preflight(sim, auto))
+    typer.echo(_gains(table, ppls))
     typer.echo(_table(table, ppls, seeds))
     first = runs["cona"][0]
     moves = ", ".join(f"{a.gbs} → {b.gbs} at {_dur(t)}" for t, a, b in first.switches) or "none"
@@ -108,6 +128,30 @@ def simulate_command(
         typer.echo(
             f"{label}: " + (", ".join(f"{a.gbs} → {b.gbs} at {_dur(t)}" for t, a, b in curve.switches) or "none")
         )
+
+
+def _dynamics(cfg: Any, from_run: list[Path] | None, true_kappa: float, gns_noise: float, lr_sensitivity: float) -> Any:
+    """The world's training: curves of the given static runs, else Kaplan's law for the config's model."""
+    from cona_cli.planner.space import gbs_ladder
+
+    ladder = gbs_ladder(cfg)
+    if from_run:
+        from cona_cli.simulate.from_runs import RunDynamics, read_static_run
+
+        dynamics = RunDynamics([read_static_run(p, cfg) for p in from_run], ladder)
+        typer.echo(dynamics.describe(), err=True)
+        if dynamics.unmeasured(ladder):
+            typer.echo(dynamics.unmeasured(ladder), err=True)
+        start_s, eval_s = dynamics.overheads()
+        line = f"measured overheads: {start_s:.3g} s before the first step, {eval_s:.3g} s per evaluation"
+        typer.echo(line, err=True)
+        return dynamics
+    from cona_cli.planner.workload import Workload
+    from cona_cli.simulate.law import KaplanDynamics, KaplanLaw
+
+    shape = Workload.from_config(cfg).shape
+    law = KaplanLaw(shape.n_layers * shape.layer_params, cfg.model.seq_len)
+    return KaplanDynamics(law, ladder[0], true_kappa, gns_noise, lr_sensitivity)
 
 
 def _plot(runs: dict[str, list[Any]], table: dict[str, list[list[float | None]]], ppls: list[float], out: Path) -> None:
@@ -206,4 +250,18 @@ def _preflight(sim: Any, auto: Any) -> str:
         )
     lines.append("  " + "; ".join(crossings))
     lines.append(f"  offline planner's pick (static-auto): {auto}")
+    from cona_cli.planner.ceiling import ceiling
+
+    if auto.gbs in rates:
+        lines.append("  verdict: " + ceiling(rates, auto.gbs).verdict())
     return "\n".join(lines)
+
+
+def _gains(table: dict[str, list[list[float | None]]], ppls: list[float]) -> str:
+    """The simulated gains over static-auto at the last target: cona's (median over seeds) and the costed
+    optimum's (the most any policy could gain here)."""
+    auto = next(v for k, v in table.items() if k.startswith("static-auto"))
+    auto_t = [seed[-1] for seed in auto]
+    cona = _ratio(auto_t, [seed[-1] for seed in table["cona"]])
+    best = _ratio(auto_t, [table["optimum sequence (switch costs charged)"][0][-1]] * len(auto_t))
+    return f"  predicted gain over static-auto at ppl {ppls[-1]:g}: cona {cona}, the costed optimum {best}"

@@ -12,7 +12,7 @@ from cona_cli.cluster.sbatch import sbatch_script
 from cona_cli.cluster.slurm import SlurmError
 from cona_cli.commands.dry_run import dry_run_plan
 from cona_cli.commands.errors import fail
-from cona_cli.config import ConfigError
+from cona_cli.config import Config, ConfigError
 from cona_cli.control.controller import Controller
 from cona_cli.control.resume import prepare_resume
 from cona_cli.control.run_setup import default_run_dir, make_policy, prepare_run_dir, resolve_config
@@ -77,6 +77,7 @@ def train_command(
             raise ConfigError("CONFIG: missing (give a YAML config, or --resume RUN_DIR)")
         else:
             cfg, policy = make_policy(resolve_config(config, strategy, chain, max_steps, data, given))
+            _warn_if_chaining_cannot_pay(cfg)
             run_dir = run_dir or default_run_dir(config)
             prepare_run_dir(run_dir, config, cfg)
             lock(run_dir)
@@ -86,6 +87,18 @@ def train_command(
     except (ClusterError, SlurmError) as e:
         raise fail("cona", str(e), 1) from None
     raise typer.Exit(controller.run())
+
+
+def _warn_if_chaining_cannot_pay(cfg: Config) -> None:
+    """For `policy: cona`, say at start when no rung can gain over the static pick (it still runs)."""
+    if cfg.policy != "cona":
+        return
+    from cona_cli.planner.ceiling import planned_ceiling
+    from cona_cli.planner.hardware import load_hardware
+
+    found = planned_ceiling(cfg, load_hardware(cfg.search.hardware))
+    if found is not None and not found.pays:
+        typer.echo(f"cona: note: {found.verdict()} (policy: static)", err=True)
 
 
 def write_sbatch(

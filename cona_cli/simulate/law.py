@@ -9,7 +9,10 @@ B_crit(L) = B*/L^(1/α_B) tokens: the gradient noise scale a perfect estimator w
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -42,3 +45,52 @@ class KaplanLaw:
     def loss_floor(self) -> float:
         """The loss with unlimited steps (the model-size term)."""
         return (self.n_c / self.n_params) ** self.alpha_n
+
+
+@dataclass(frozen=True)
+class KaplanDynamics:
+    """The world's training under Kaplan's law, as a function of the loss reached: a step at `gbs` from
+    loss L adds the law's progress times (gbs / base_gbs)^`lr_sensitivity` minimal steps (0: the law;
+    above 0 a larger batch needs fewer samples, as when the base LR is below the best one and the recipe
+    raises it with the batch). The workers report a GNS of B_crit / `true_kappa` with a relative error
+    of `gns_noise` per step."""
+
+    law: KaplanLaw
+    base_gbs: int
+    true_kappa: float = 1.0
+    gns_noise: float = 0.5
+    lr_sensitivity: float = 0.0
+
+    def start_loss(self) -> float:
+        return math.inf
+
+    def floor(self) -> float:
+        return self.law.loss_floor()
+
+    def _s_min(self, loss: float) -> float:
+        if not math.isfinite(loss):
+            return 0.0
+        return self.law.s_c / (loss - self.law.loss_floor()) ** (1 / self.law.alpha_s)
+
+    def progress(self, gbs: int, loss: float) -> float:
+        """Minimal steps one step at `gbs` is worth at `loss`."""
+        return self.law.progress(gbs, loss) * (gbs / self.base_gbs) ** self.lr_sensitivity
+
+    def after(self, gbs: int, loss: float) -> float:
+        """The loss one step at `gbs` leads to from `loss`."""
+        return self.law.loss(self._s_min(loss) + self.progress(gbs, loss))
+
+    def grid(self, stop_loss: float, points: int) -> list[float]:
+        """Losses from the start to just past `stop_loss`, geometric in minimal steps."""
+        s_stop = self._s_min(stop_loss)
+        return [math.inf, *(self.law.loss(s) for s in np.geomspace(1.0, max(s_stop * (1 + 1e-9), 1.0), points))]
+
+    def samples(self, gbs: int, high: float, low: float) -> float:
+        """Samples `gbs` needs to bring the loss from `high` to `low` (at the stretch's middle progress)."""
+        lo, hi = self._s_min(high), self._s_min(low)
+        return gbs * (hi - lo) / self.progress(gbs, self.law.loss((lo + hi) / 2))
+
+    def report(self, gbs: int, loss: float, rng: random.Random) -> tuple[float, float]:
+        """One step's (|G|², tr Σ) as the workers' two-batch estimator would send it."""
+        measured = self.law.critical_batch(loss) / self.true_kappa
+        return 1.0 + 0.3 * rng.gauss(0.0, 1.0), measured * (1.0 + self.gns_noise * rng.gauss(0.0, 1.0))

@@ -2,13 +2,17 @@
 
 - **Step time**: the planner's cost model (`planner.costmodel.iteration_time`) on the `truth` profile,
   times lognormal noise of std `noise` per step. With `truth` the config's own profile the policy's
-  model and the world agree; another profile is a world the planner mis-predicts.
+  model and the world agree; another profile is a world the planner mis-predicts. A strategy with
+  `measured` step times is timed by a draw from them instead, and the others by the model scaled by
+  the median of measured over modelled.
 - **Switch cost**: a resize costs one step of the new strategy; a relaunch saves and loads the
   checkpoint (12 bytes per parameter: fp32 weights and Adam's two moments) at `storage_gbs` each way,
   starts the processes (`relaunch_s`) and runs a first step.
-- **Progress**: `law` (Kaplan's fits). The GNS the workers would report is B_crit / `true_kappa` with
-  per-step two-batch noise (`gns_noise`), and it is held for 1/(1 − β2) steps after every change of batch,
-  as the workers hold their estimator.
+- **Evaluations and start-up**: the run starts `start_s` in and pauses `eval_s` at each evaluation of the
+  config's schedule (0 unless measured: `--from-run`).
+- **Progress**: `dynamics`, a function of the loss reached: Kaplan's law (`simulate.law`) or curves
+  measured in static runs (`simulate.from_runs`). It also gives each step's GNS estimate, held for
+  1/(1 − β2) steps after every change of batch, as the workers hold their estimator.
 
 The policy sees the rows `cona train`'s workers stream (step, time, iter_s, consumed_samples, layout,
 grad_sq_raw, trace_raw) and is told of switches as the controller tells it (`resized`, `observe_switch`,
@@ -20,7 +24,9 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import statistics
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -30,20 +36,36 @@ from cona_cli.planner.costmodel import iteration_time
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.space import enumerate_space, gbs_ladder
 from cona_cli.planner.workload import Workload
-from cona_cli.simulate.law import KaplanLaw
 from cona_cli.strategy import Strategy, resizable
 
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights, Adam's first and second moments
 OPTIMUM_POINTS = 2000  # progress steps of the costed optimum's dynamic programme
 
 
+class Dynamics(Protocol):
+    """How training goes in the world, as a function of the loss reached (`simulate.law`, `from_runs`)."""
+
+    def start_loss(self) -> float: ...
+
+    def floor(self) -> float: ...
+
+    def after(self, gbs: int, loss: float) -> float: ...
+
+    def grid(self, stop_loss: float, points: int) -> list[float]: ...
+
+    def samples(self, gbs: int, high: float, low: float) -> float: ...
+
+    def report(self, gbs: int, loss: float, rng: random.Random) -> tuple[float, float]: ...
+
+
 @dataclass(frozen=True)
 class WorldSpec:
-    law: KaplanLaw
+    dynamics: Dynamics
     truth: HardwareProfile
     noise: float = 0.05
-    gns_noise: float = 0.5
-    true_kappa: float = 1.0
+    measured: dict[Strategy, list[float]] = field(default_factory=dict)
+    start_s: float = 0.0  # run time before the first step
+    eval_s: float = 0.0  # the pause of one evaluation (at the config's train.eval_interval[_s])
     relaunch_s: float = 20.0
     storage_gbs: float = 2.0
     max_time: float = 7 * 24 * 3600.0
@@ -54,7 +76,7 @@ class Curve:
     """One simulated run: the loss after every step, and its switches (time, from, to)."""
 
     times: list[float] = field(default_factory=lambda: [0.0])
-    losses: list[float] = field(default_factory=lambda: [math.inf])
+    losses: list[float] = field(default_factory=lambda: [math.inf])  # the first: the loss at the start
     switches: list[tuple[float, Strategy, Strategy]] = field(default_factory=list)
     first: Strategy | None = None  # what it started with
 
@@ -89,7 +111,10 @@ class Simulation:
         self.space = enumerate_space(cfg, spec.truth, self.ladder).feasible
         rows = np.array([[s.dp, s.tp, s.pp, s.mbs, s.gbs] for s in self.space], dtype=np.float64)
         times = iteration_time(rows, self.workload, spec.truth) if self.space else []
-        self.true_time = {s: float(t) for s, t in zip(self.space, times)}
+        modelled = {s: float(t) for s, t in zip(self.space, times)}
+        timed = {s: statistics.median(v) for s, v in spec.measured.items() if s in modelled and v}
+        scale = statistics.median(timed[s] / modelled[s] for s in timed) if timed else 1.0
+        self.true_time = {s: timed.get(s, t * scale) for s, t in modelled.items()}
         self.hold = math.ceil(1 / (1 - cfg.train.beta2))
         params = self.workload.shape.total_params
         self.checkpoint_s = 2 * CHECKPOINT_BYTES_PER_PARAM * params / (spec.storage_gbs * 1e9)
@@ -103,33 +128,43 @@ class Simulation:
             return self.true_time[new]
         return self.spec.relaunch_s + self.checkpoint_s + self.true_time[new]
 
+    def step_time(self, strategy: Strategy, rng: random.Random) -> float:
+        """One step's seconds: a draw from its measured steps, else the true time with lognormal noise."""
+        measured = self.spec.measured.get(strategy)
+        if measured:
+            return rng.choice(measured)
+        return self.true_time[strategy] * math.exp(rng.gauss(0.0, self.spec.noise))
+
     def run(self, policy: Policy, stop_loss: float, seed: int) -> Curve:
         """Train under `policy` until the loss reaches `stop_loss`, the simulated time budget ends or a
         stop rule of the config (max_time, max_steps, max_tokens) does, as the workers would."""
-        spec, law = self.spec, self.spec.law
+        spec, dyn = self.spec, self.spec.dynamics
         rng = random.Random(seed)
         policy.events = _Decisions()
         cur = policy.first().strategy
-        curve, t, s_min, step, consumed, launch, held = Curve(first=cur), 0.0, 0.0, 0, 0, 1, self.hold
+        curve = Curve(times=[spec.start_s], losses=[dyn.start_loss()], first=cur)
+        t, step, consumed, launch, held = spec.start_s, 0, 0, 1, self.hold
         tr = self.cfg.train
+        last_eval = t
         budget = min(spec.max_time, tr.max_time or math.inf)
         steps = tr.max_steps or math.inf
         samples = tr.max_tokens / self.cfg.model.seq_len if tr.max_tokens else math.inf
         while t < budget and step < steps and consumed < samples and curve.losses[-1] > stop_loss:
             loss = curve.losses[-1]
-            iter_s = self.true_time[cur] * math.exp(rng.gauss(0.0, spec.noise))
-            s_min += law.progress(cur.gbs, loss)
+            iter_s = self.step_time(cur, rng)
             t, step, consumed = t + iter_s, step + 1, consumed + cur.gbs
             curve.times.append(t)
-            curve.losses.append(law.loss(s_min))
+            curve.losses.append(dyn.after(cur.gbs, loss))
             row = {"kind": "step", "step": step, "launch": launch, "time": t, "iter_s": iter_s}
             row |= {"consumed_samples": consumed, **cur.to_dict()}
+            if spec.eval_s and self._evaluates(step, t - last_eval):
+                t, last_eval = t + spec.eval_s, t + spec.eval_s
+                curve.times.append(t)
+                curve.losses.append(curve.losses[-1])
             if held > 0:
                 held -= 1
             else:
-                measured = law.critical_batch(loss) / spec.true_kappa
-                row["grad_sq_raw"] = 1.0 + 0.3 * rng.gauss(0.0, 1.0)
-                row["trace_raw"] = measured * (1.0 + spec.gns_noise * rng.gauss(0.0, 1.0))
+                row["grad_sq_raw"], row["trace_raw"] = dyn.report(cur.gbs, loss, rng)
             stage = policy.on_metric(row)
             policy.wait_for_search()
             if stage is None or stage.strategy == cur:
@@ -149,46 +184,69 @@ class Simulation:
             cur, held = new, self.hold
         return curve
 
+    def _evaluates(self, step: int, since_last: float) -> bool:
+        """Whether the workers evaluate after `step` (as launch.worker schedules it)."""
+        tr = self.cfg.train
+        by_steps = tr.eval_interval is not None and (step + 1) % tr.eval_interval == 0
+        return by_steps or (tr.eval_interval_s is not None and since_last >= tr.eval_interval_s)
+
     def static(self, strategy: Strategy, stop_loss: float, seed: int) -> Curve:
         return self.run(StaticPolicy(strategy), stop_loss, seed)
+
+    def _rate(self, s: Strategy, loss: float) -> float:
+        """True loss decrease per second of a step of `s` from `loss` (from the start: 1 / step time)."""
+        if not math.isfinite(loss):
+            return 1.0 / self.true_time[s]
+        return (loss - self.spec.dynamics.after(s.gbs, loss)) / self.true_time[s]
 
     def optimum(self, stop_loss: float) -> Curve:
         """The optimum sequence with free switches (the paper's): at every step the rung with the most
         true progress per second, at its fastest strategy, without noise."""
-        law, best = self.spec.law, {g: self.best_at(g) for g in self.ladder}
-        curve, t, s_min, cur = Curve(), 0.0, 0.0, None
-        while t < self.spec.max_time and curve.losses[-1] > stop_loss:
+        spec, dyn, best = self.spec, self.spec.dynamics, [self.best_at(g) for g in self.ladder]
+        curve, t, cur, step = Curve(times=[spec.start_s], losses=[dyn.start_loss()]), spec.start_s, None, 0
+        last_eval = t
+        while t < spec.max_time and curve.losses[-1] > stop_loss:
             loss = curve.losses[-1]
-            s = max(best.values(), key=lambda s: law.progress(s.gbs, loss) / self.true_time[s])
+            s = max(best, key=lambda s: self._rate(s, loss))
             if cur is None:
                 curve.first = s
             elif s != cur:
                 curve.switches.append((t, cur, s))
-            cur = s
-            s_min += law.progress(s.gbs, loss)
+            cur, step = s, step + 1
             t += self.true_time[s]
             curve.times.append(t)
-            curve.losses.append(law.loss(s_min))
+            curve.losses.append(dyn.after(s.gbs, loss))
+            if spec.eval_s and self._evaluates(step, t - last_eval):
+                t, last_eval = t + spec.eval_s, t + spec.eval_s
+                curve.times.append(t)
+                curve.losses.append(curve.losses[-1])
         return curve
+
+    def _with_evals(self, seconds: float, steps: float) -> float:
+        """Training time with the evaluations that fall in it, by whichever of the config's schedules (in
+        steps, in seconds) evaluates more often (for the programme, which has no single steps)."""
+        tr = self.cfg.train
+        by_steps = steps / tr.eval_interval if tr.eval_interval else 0.0
+        by_time = seconds / tr.eval_interval_s if tr.eval_interval_s else 0.0
+        return seconds + max(by_steps, by_time) * self.spec.eval_s
 
     def optimum_with_costs(self, stop_loss: float, in_place: bool, points: int = OPTIMUM_POINTS) -> Curve:
         """The fastest sequence of rungs (each at its fastest strategy) to `stop_loss` with every switch's
-        cost charged: dynamic programming over `points` geometric steps of progress (minimal steps), where
-        one stretch at rung g takes its progress over 1/(1 + B_crit/g) steps of the true step time."""
-        law, rungs = self.spec.law, [self.best_at(g) for g in self.ladder]
-        floor = law.loss_floor()
+        cost charged: dynamic programming over `points` stretches of loss (`dynamics.grid`), where a
+        stretch at rung g takes the samples g needs over it at g's true step time."""
+        dyn, rungs = self.spec.dynamics, [self.best_at(g) for g in self.ladder]
+        floor = dyn.floor()
         if stop_loss <= floor:
-            raise ValueError(f"target loss {stop_loss:.4g} is at or below the law's floor {floor:.4g}")
-        s_stop = law.s_c / (stop_loss - floor) ** (1 / law.alpha_s)
-        grid = [0.0, *np.geomspace(1.0, max(s_stop * (1 + 1e-9), 1.0), points)]  # just past: reaches stop_loss
+            raise ValueError(f"target loss {stop_loss:.4g} is at or below the world's floor {floor:.4g}")
+        grid = dyn.grid(stop_loss, points)
         n = len(rungs)
         cost = [[0.0 if i == j else self.switch_cost(rungs[j], rungs[i], in_place) for j in range(n)] for i in range(n)]
         best = [0.0] * n  # fastest time to the current grid point ending at rung i
         came: list[list[int]] = []  # per stretch, the rung each rung's best path came from
         stretches: list[list[float]] = []  # per stretch, its seconds at each rung
-        for lo, hi in itertools.pairwise(grid):
-            loss = law.loss((lo + hi) / 2)
-            stretch = [(hi - lo) / law.progress(r.gbs, loss) * self.true_time[r] for r in rungs]
+        for hi, lo in itertools.pairwise(grid):
+            steps = [dyn.samples(r.gbs, hi, lo) / r.gbs for r in rungs]
+            stretch = [self._with_evals(k * self.true_time[r], k) for k, r in zip(steps, rungs)]
             links = [min(range(n), key=lambda j: best[j] + cost[i][j]) for i in range(n)]
             best = [best[j] + cost[i][j] + stretch[i] for i, j in enumerate(links)]
             came.append(links)
@@ -197,8 +255,9 @@ class Simulation:
         for links in reversed(came[1:]):
             path.append(links[path[-1]])
         path.reverse()
-        curve, t = Curve(first=rungs[path[0]]), 0.0
-        for k, (i, hi) in enumerate(zip(path, grid[1:])):
+        t = self.spec.start_s
+        curve = Curve(times=[t], losses=[grid[0]], first=rungs[path[0]])
+        for k, (i, lo) in enumerate(zip(path, grid[1:])):
             if k and i != path[k - 1]:
                 t += cost[i][path[k - 1]]
                 curve.switches.append((t, rungs[path[k - 1]], rungs[i]))
@@ -208,5 +267,5 @@ class Simulation:
             if t > self.spec.max_time:
                 break
             curve.times.append(t)
-            curve.losses.append(law.loss(hi))
+            curve.losses.append(lo)
         return curve

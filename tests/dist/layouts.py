@@ -1,8 +1,9 @@
 """Run under torchrun (4 ranks): every layout (and FSDP under TP and PP) vs a single-process reference,
 DCP resharding, and in-place resizes vs a relaunch from a checkpoint.
 
-Usage: torchrun --standalone --nproc-per-node 4 tests/dist/layouts.py RUN_DIR OUT_JSON
-RUN_DIR holds config.resolved.json and corpus.json (written by the pytest side).
+Usage: torchrun --standalone --nproc-per-node 4 tests/dist/layouts.py OUT_JSON RUN_DIR...
+Each RUN_DIR holds config.resolved.json and corpus.json (written by the pytest side) of one model family;
+OUT_JSON maps each family to its results (one torchrun for all: each start costs seconds).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,7 +29,7 @@ from launch.models import get_spec
 from launch.models.spec import IGNORE_INDEX
 from launch.snapshot import Snapshot
 from launch.worker import Worker
-from tests.dist.common import start
+from tests.dist.common import join, load_run
 
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (1, 4, 1)]
 STEPS = 3
@@ -38,7 +41,7 @@ RESHARD = [
     ((2, 2, 1, 2, 16), (2, 1, 2, 1, 32)),
 ]
 # (from, to): DDP with larger micro-batches, TP with more accumulation steps, dp = 1 (first micro-batch GNS)
-RESIZE = [((4, 1, 1, 2, 8), (4, 1, 1, 4, 16)), ((2, 2, 1, 2, 8), (2, 2, 1, 2, 16)), ((1, 4, 1, 2, 8), (1, 4, 1, 2, 16))]
+RESIZE = [((4, 1, 1, 2, 8), (4, 1, 1, 4, 16)), ((2, 2, 1, 2, 8), (2, 2, 1, 2, 16)), ((1, 4, 1, 4, 8), (1, 4, 1, 4, 16))]
 
 
 def reference_losses(cfg, corpus: CorpusInfo, gbs: int, steps: int) -> tuple[list[float], list[float]]:
@@ -160,8 +163,7 @@ def snapshot_replays(cfg, run_dir, s: Strategy) -> dict:
     return {"first": first, "replay": [w.train_step(False).loss for _ in range(2)]}
 
 
-def main() -> None:
-    run_dir, out, cfg, corpus = start()
+def family_results(run_dir: Path, cfg, corpus: CorpusInfo) -> dict:
     results: dict = {"layouts": {}, "fsdp": {}, "reshard": [], "tied_equal": []}
     gbs = 16
     results["reference"], results["reference_mean"] = reference_losses(cfg, corpus, gbs, STEPS)
@@ -176,7 +178,9 @@ def main() -> None:
         w = Worker(fsdp, run_dir, s, launch=1)
         results["fsdp"][str(s)] = [w.train_step(False).loss for _ in range(STEPS)]
         results["tied_equal"] += tied_copies_equal(w)
-    for i, (a, b) in enumerate(RESHARD):
+    # every pair for GPT; for the others the two that move family-specific weights into TP + PP and from TP to PP
+    pairs = RESHARD if cfg.model.family == "gpt" else [RESHARD[1], RESHARD[3]]
+    for i, (a, b) in enumerate(pairs):
         wa = Worker(cfg, run_dir, Strategy(*a), launch=1)
         wa.ckpt_root = run_dir / f"ckpt_{i}"
         for _ in range(2):
@@ -184,7 +188,8 @@ def main() -> None:
         before, loss_a = full_state(wa), wa.evaluate()[0]
         path = wa.save("switch")
         # the second pair loads into a layout built ahead of its launch, as a standby does
-        layout = prepare_layout(cfg, Strategy(*b), wa.device, corpus.vocab_size) if i == 1 else None
+        ahead = (a, b) == RESHARD[1]
+        layout = prepare_layout(cfg, Strategy(*b), wa.device, corpus.vocab_size) if ahead else None
         wb = Worker(cfg, run_dir, Strategy(*b), launch=2, layout=layout)
         wb.restore(path)
         after, loss_b = full_state(wb), wb.evaluate()[0]
@@ -213,6 +218,16 @@ def main() -> None:
             "pp": snapshot_replays(cfg, run_dir, Strategy(2, 1, 2, 2, 8)),
             "fsdp-tp": snapshot_replays(fsdp, run_dir, Strategy(2, 2, 1, 2, 8)),
         }
+    return results
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    join()
+    results = {}
+    for run_dir in map(Path, sys.argv[2:]):
+        cfg, corpus = load_run(run_dir)
+        results[cfg.model.family] = family_results(run_dir, cfg, corpus)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
