@@ -271,3 +271,10 @@ def test_bench_prepare_prints_peak_memory_and_the_rate_against_the_raw_tokenizer
     assert 0.05 < number(r"preparation / raw tokenizer rate: ([\d.]+)", proc.stdout) < 5
     tokens = number(r"prepared: ([\d,]+) train", proc.stdout.replace(",", ""))
     assert tokens > 100_000 and (tmp_path / "work" / "corpus" / "train.txt").stat().st_size >= 3_000_000
+
+
+def test_bench_simulate_prints_the_run_and_table_times() -> None:
+    proc = run_script("bench_simulate.py", "--steps", "300", "--seeds", "1", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"one run of policy cona: 300 steps, \d+ switches in [\d.]+ s", proc.stdout), proc.stdout
+    assert number(r"the whole table \(gpt3-1.3b-a6000.yaml, 1 seeds\): ([\d.]+) s", proc.stdout) > 0
