@@ -1,6 +1,8 @@
 """README.md cannot rot: every `cona ...` and `python scripts/...` command in its fenced shell blocks
 parses against the current command line (subcommand, flags, the type of each value), every config and
-script it names exists, and `make` targets are the Makefile's. Fast: nothing here trains."""
+script it names exists, and `make` targets are the Makefile's. Each `cona` command that needs no GPU
+cluster also runs, in its shortest form (optional parts left out, `cona train` with --dry-run or
+--sbatch, reports and exports on one tiny finished run)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import typer
+from typer.testing import CliRunner
 
 from cona_cli.app import app
-from tests.support import REPO
+from tests.support import REPO, TINY, write_config
 
 README = REPO / "README.md"
-SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell|console)?\n(.*?)^```", re.M | re.S)
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)  # every fenced block, in order, whatever its language
+SHELL = {"", "bash", "sh", "shell", "console"}
 SEPARATORS = {"&&", "||", ";", "|"}
 
 # A usage line's placeholders, replaced by values of the type the option takes ("" marks a path the test
@@ -41,7 +45,9 @@ PLACEHOLDERS = {
 def shell_commands() -> list[str]:
     """Each command of the README's fenced shell blocks (a line split at &&, ;, ||, and | outside [...])."""
     found = []
-    for block in SHELL_BLOCK.findall(README.read_text()):
+    for lang, block in FENCE.findall(README.read_text()):
+        if lang not in SHELL:
+            continue
         for line in block.splitlines():
             tokens, depth, current = shlex.split(line, comments=True), 0, []
             for tok in tokens:
@@ -145,3 +151,59 @@ def test_make_targets_exist() -> None:
     targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
     used = {shlex.split(c)[1] for c in COMMANDS if c.startswith("make ")}
     assert used and used <= targets, used - targets
+
+
+def runnable(command: str, tiny: Path, run: Path, tmp: Path) -> list[str] | None:
+    """The command's shortest form as arguments, run from `tmp`, or None where it needs what a test has not
+    (a GPU cluster, an unfinished run to resume, data not on this machine)."""
+    tokens, depth, args = shlex.split(command)[1:], 0, []
+    for tok in tokens:  # leave out every optional [...] part
+        opened, closed = tok.count("["), tok.count("]")
+        if depth == 0 and not opened:
+            args.append(tok)
+        depth += opened - closed
+    values = {"CONFIG": str(tiny), "RUN_DIR": str(run), "DIR": str(tmp / "out")}
+    args = [values.get(a, a) for a in args]
+    args = [a.split("|")[0] if "|" in a and not a.startswith("-") else a for a in args]
+    args = [str(REPO / a) if (REPO / a).exists() and a.split("/")[0] in ("configs", "..") else a for a in args]
+    if any(a.startswith("../") for a in args):
+        return None  # data the README expects beside the clone: not here
+    if args[0] == "report" or args[0] == "export":
+        args[1] = str(run)  # a run folder the README's own `cona train` would have made
+    if args[0] == "train":
+        if "--resume" in args:
+            return None
+        gpu_cluster = "a6000" in args[1] and "--sbatch" not in args
+        if gpu_cluster:
+            return None
+        if "--sbatch" not in args and "--dry-run" not in args:
+            args.append("--dry-run")
+    return args
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny config and a finished 2-step run of it (one process)."""
+    base = tmp_path_factory.mktemp("readme")
+    doc = {**TINY, "cluster": {"procs_per_node": 1}, "strategy": "dp1-tp1-pp1-mbs2-gbs4"}
+    tiny = write_config(base / "tiny.yaml", {**doc, "train": {**TINY["train"], "max_steps": 2, "eval_interval": 2}})
+    result = CliRunner().invoke(app, ["train", str(tiny), "--run-dir", str(base / "run")])
+    assert result.exit_code == 0, result.output
+    return tiny, base / "run"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("command", CONA, ids=lambda c: c[:70])
+def test_cona_command_runs(
+    command: str, tiny_run: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = runnable(command, *tiny_run, tmp_path)
+    if args is None:
+        pytest.skip("needs a GPU cluster, a run to resume or data not on this machine")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, f"README: `{command}` as `cona {shlex.join(args)}`: {result.output[-2000:]}"
+    if "--sbatch" in args:
+        assert (tmp_path / args[args.index("--sbatch") + 1]).is_file()
+    if args[0] == "export":
+        assert any((tmp_path / "out").iterdir())
