@@ -62,3 +62,20 @@ def test_fieller_bounds_cover_the_true_noise_scale_and_open_up_when_the_signal_i
     assert weak is not None and weak.high == math.inf  # mean |G|² barely above 0: no upper bound
     assert pooled_noise_scale([1.0, -2.0, 0.5], [5.0, 5.0, 5.0], 0.95) is None  # |G|² not positive yet
     assert pooled_noise_scale([1.0, 1.0], [5.0, 5.0], 0.95) is None
+
+
+def test_a_cheap_move_is_probed_when_the_model_may_be_wrong_and_a_confident_one_is_not_a_probe() -> None:
+    gns = NoiseInterval(20.0, 15.0, 30.0)
+    t8 = Estimate(0.13, 0.01)
+    # gbs 16 predicted at 0.217 s: Φ ratio (16/0.217)/(8/0.13) * 28/36 = 0.93, short of paying
+    stay = decide(8, t8, 16, Estimate(0.217), gns, 0.0, 100.0, z=1.645)
+    assert not stay.switch and not stay.probe
+    probe = decide(8, t8, 16, Estimate(0.217), gns, 0.0, 100.0, z=1.645, probe_log_std=0.3)
+    assert probe.switch and probe.probe and probe.ratio == pytest.approx(stay.ratio)
+    assert probe.why.startswith("probe: Φ ratio 0.932")
+    hopeless = decide(8, t8, 16, Estimate(0.5), gns, 0.0, 100.0, z=1.645, probe_log_std=0.3)
+    assert not hopeless.switch  # not even a 1.64x faster step would pay
+    confident = decide(8, t8, 16, Estimate(0.15), gns, 0.0, 100.0, z=1.645, probe_log_std=0.3)
+    assert confident.switch and not confident.probe
+    late = decide(8, t8, 16, Estimate(0.217), gns, 50.0, 60.0, z=1.645, probe_log_std=0.3)
+    assert not late.switch  # too little time left to pay back even the optimistic case

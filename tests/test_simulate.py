@@ -17,6 +17,7 @@ from cona_cli.control.cona_policy import ConaPolicy
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.simulate.law import KaplanDynamics, KaplanLaw
 from cona_cli.simulate.world import Curve, Simulation, WorldSpec
+from cona_cli.strategy import resizable
 from tests.support import REPO, TINY, write_config
 
 runner = CliRunner()
@@ -197,3 +198,44 @@ def test_train_says_at_start_when_chaining_cannot_pay(tmp_path: Path, capsys: py
     assert capsys.readouterr().err == ""  # a ladder that can pay: nothing said
     dry = runner.invoke(app, ["train", str(write_config(tmp_path / "one.yaml", one_rung)), "--dry-run"])
     assert dry.exit_code == 0 and "chaining: chaining can gain at most 1× over" in dry.stdout, dry.output
+
+
+class _Recorded:
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def write(self, kind: str, **fields: object) -> dict:
+        self.rows.append({"kind": kind, **fields})
+        return self.rows[-1]
+
+
+@pytest.mark.parametrize("factor", [0.7, 1.4])
+def test_cona_probes_a_resizable_rung_the_model_mispredicts_once(
+    factor: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A world where the resizable gbs-16 strategy runs `factor` x the model's time: cona probes it once
+    (the confident rule alone would not have tried it); a 0.7x one is kept, a 1.4x one left at once."""
+    import cona_cli.simulate.world as world
+
+    monkeypatch.setattr(world, "_Decisions", _Recorded)
+    doc = _tiny_doc(16)
+    cfg = config_from_dict(doc, "tiny")
+    hw = load_hardware("cpu-local")
+    shape = ConaPolicy(cfg, hw).workload.shape
+    law = KaplanDynamics(KaplanLaw(shape.n_layers * shape.layer_params, cfg.model.seq_len), 8, true_kappa=4.0)
+    plain = Simulation(cfg, WorldSpec(law, hw, noise=0.0, max_time=3600.0))
+    start = ConaPolicy(cfg, hw).first().strategy
+    sixteen = next(s for s in plain.space if s.gbs == 16 and resizable(start, s) and s.mbs == 2 * start.mbs)
+    measured = {s: [t] for s, t in plain.true_time.items() if s.gbs == 8}
+    measured[sixteen] = [plain.true_time[sixteen] * factor]
+    sim = Simulation(cfg, WorldSpec(law, hw, noise=0.0, measured=measured, max_time=60.0))  # a minute is enough
+    policy = ConaPolicy(cfg, hw)
+    curve = sim.run(policy, sim.spec.dynamics.floor() + 0.8, seed=0)
+    probes = [r for r in policy.events.rows if r["switch"] and r["why"].startswith("probe")]
+    assert len(probes) == 1 and probes[0]["candidate"]["gbs"] == 16, curve.switches
+    first, after = curve.switches[0], curve.switches[1:2]
+    assert first[2] == sixteen
+    if factor < 1:
+        assert after == [] or after[0][0] - first[0] > 10 * plain.true_time[sixteen]  # kept beyond the dwell
+    else:
+        assert after[0][2].gbs == 8 and after[0][0] - first[0] < 30 * plain.true_time[sixteen]  # left at once

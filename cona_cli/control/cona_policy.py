@@ -13,7 +13,9 @@ those that pass, the one with the most progress over that time wins. The candida
 at the running rung and the best predicted strategy of every higher rung (from the search), and the
 best measured strategy of every lower rung (a retreat). A strategy never run competes at the
 model's step time (the paper's rule: predicted, not profiled); once run, at its own measured times,
-so a prediction that was wrong costs one switch and is undone by a confident retreat. A time
+so a prediction that was wrong costs one switch and is undone by a confident retreat. One the job
+can resize into (a step to try, a step to leave) is also tried when it would pay were the model off by
+its own error, and none passes with confidence (a probe: `switch_rule`). A time
 measured in an earlier visit also carries the host's drift between blocks of the running strategy's
 steps. The first decision, at the first GNS estimate, may go to any rung.
 
@@ -221,8 +223,9 @@ class ConaPolicy(Policy):
             left.append((t.max_tokens / self.cfg.model.seq_len - row["consumed_samples"]) / gbs * t_step)
         return max(min(left), 0.0) if left else now
 
-    def candidates(self) -> list[tuple[str, Strategy, Estimate]]:
-        """(kind, strategy, step time) of everything the running strategy is compared with."""
+    def candidates(self) -> list[tuple[str, Strategy, Estimate, float | None]]:
+        """(kind, strategy, step time, the model's log error if it may be probed) of everything the
+        running strategy is compared with."""
         cur = self.current.strategy
         with self._lock:
             results = dict(self._results)
@@ -232,7 +235,7 @@ class ConaPolicy(Policy):
             t = time_estimate(self.samples[s])
             return Estimate(t.value, math.hypot(t.log_std, moved))
 
-        out: list[tuple[str, Strategy, Estimate]] = []
+        out: list[tuple[str, Strategy, Estimate, float | None]] = []
         for gbs, result in sorted(results.items()):
             # The rung's best predicted strategy, and its best one the running job can resize into.
             picks: list[Candidate] = result.ranked[:1]
@@ -242,13 +245,18 @@ class ConaPolicy(Policy):
                 s = c.strategy
                 if s == cur or s in self.out_of_memory:
                     continue
-                t = measured(s) if s in self.samples else Estimate(c.time_s)  # never run: the model's
-                out.append(("same_gbs" if gbs == cur.gbs else "higher_gbs", s, t))
+                kind = "same_gbs" if gbs == cur.gbs else "higher_gbs"
+                if s in self.samples:
+                    out.append((kind, s, measured(s), None))
+                else:  # never run: the model's time; a resize into the next rung up may probe it
+                    nxt = gbs == min((g for g in results if g > cur.gbs), default=None)
+                    probe = c.time_std / c.time_s if nxt and self.in_place and resizable(cur, s) else None
+                    out.append((kind, s, Estimate(c.time_s), probe))
         for gbs in (g for g in self.ladder if g < cur.gbs):
             below = [(measured(s), s) for s, v in self.samples.items() if s.gbs == gbs and v]
             if below:
                 t, s = min(below, key=lambda m: m[0].value)
-                out.append(("lower_gbs", s, t))
+                out.append(("lower_gbs", s, t, None))
         return out
 
     def _decide(self, row: dict[str, Any], gns: NoiseInterval) -> Stage | None:
@@ -256,14 +264,20 @@ class ConaPolicy(Policy):
         t_cur = time_estimate(self._dwell)
         left = self.time_left(row, t_cur.value)
         decisions: list[tuple[Decision, str, Strategy, Estimate]] = []
-        for kind, s, t in self.candidates():
-            d = decide(cur.gbs, t_cur, s.gbs, t, gns, self.switch_cost(s), left, self.z, self.s.kappa)
+        for kind, s, t, probe in self.candidates():
+            d = decide(cur.gbs, t_cur, s.gbs, t, gns, self.switch_cost(s), left, self.z, self.s.kappa, probe)
             decisions.append((d, kind, s, t))
         if not decisions:
             self._log(row, None, None, "no candidate yet (search running)", gns=gns, t_cur=t_cur)
             return None
-        passing = [d for d in decisions if d[0].switch]
-        d, kind, s, t = max(passing or decisions, key=lambda d: d[0].score)  # choose among those that pass
+        confident = [d for d in decisions if d[0].switch and not d[0].probe]
+        probes = [d for d in decisions if d[0].probe]
+        if confident:  # choose among those that pass; a probe only when none passes with confidence
+            d, kind, s, t = max(confident, key=lambda d: d[0].score)
+        elif probes:
+            d, kind, s, t = max(probes, key=lambda d: d[0].ratio)
+        else:
+            d, kind, s, t = max(decisions, key=lambda d: d[0].score)
         self.leading = s
         self._log(row, s, d, d.why, gns=gns, t_cur=t_cur, kind=kind, left=left, t_cand=t)
         return Stage(s, None, "decision") if d.switch else None
