@@ -14,8 +14,9 @@ at the running rung and the best predicted strategy of every higher rung (from t
 best measured strategy of every lower rung (a retreat). A strategy never run competes at the
 model's step time (the paper's rule: predicted, not profiled); once run, at its own measured times,
 so a prediction that was wrong costs one switch and is undone by a confident retreat. One the job
-can resize into (a step to try, a step to leave) is also tried when it would pay were the model off by
-its own error, and none passes with confidence (a probe: `switch_rule`). A time
+can resize into (a step to try, a step to leave) competes with the model's error in its bound, and
+one of the next rung up, a rung not yet run, is tried when nothing passes with confidence and it would
+pay were the model off by that error (a probe: `switch_rule`). A time
 measured in an earlier visit also carries the host's drift between blocks of the running strategy's
 steps. The first decision, at the first GNS estimate, may go to any rung.
 
@@ -236,6 +237,7 @@ class ConaPolicy(Policy):
             return Estimate(t.value, math.hypot(t.log_std, moved))
 
         out: list[tuple[str, Strategy, Estimate, float | None]] = []
+        ran = {s.gbs for s, v in self.samples.items() if v}  # rungs with a measured strategy
         for gbs, result in sorted(results.items()):
             # The rung's best predicted strategy, and its best one the running job can resize into.
             picks: list[Candidate] = result.ranked[:1]
@@ -248,10 +250,12 @@ class ConaPolicy(Policy):
                 kind = "same_gbs" if gbs == cur.gbs else "higher_gbs"
                 if s in self.samples:
                     out.append((kind, s, measured(s), None))
-                else:  # never run: the model's time; a resize into the next rung up may probe it
-                    nxt = gbs == min((g for g in results if g > cur.gbs), default=None)
-                    probe = c.time_std / c.time_s if nxt and self.in_place and resizable(cur, s) else None
-                    out.append((kind, s, Estimate(c.time_s), probe))
+                elif self.in_place and resizable(cur, s):  # never run, cheap to try: the model's time and error
+                    error = c.time_std / c.time_s
+                    nxt = gbs == min((g for g in results if g > cur.gbs), default=None) and gbs not in ran
+                    out.append((kind, s, Estimate(c.time_s, error), error if nxt else None))
+                else:  # never run, a relaunch away: the model's time (the paper's rule)
+                    out.append((kind, s, Estimate(c.time_s), None))
         for gbs in (g for g in self.ladder if g < cur.gbs):
             below = [(measured(s), s) for s, v in self.samples.items() if s.gbs == gbs and v]
             if below:
