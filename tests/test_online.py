@@ -169,7 +169,7 @@ def test_the_choice_is_among_the_candidates_that_pass() -> None:
         8: SearchResult(8, [Candidate(S8, t8, 0.0, 0.0, 0.0)], [], 1, True),
         16: SearchResult(
             16,
-            [Candidate(relaunch, 0.06, 0.03, 0.0, 0.0), Candidate(S16, 0.072, 0.02, 0.0, 0.0)],
+            [Candidate(relaunch, 0.06, 0.03, 0.0, 0.0), Candidate(S16, 0.072, 0.0005, 0.0, 0.0)],  # a sure model
             [],
             2,
             True,
