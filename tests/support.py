@@ -46,3 +46,17 @@ def torchrun(script: Path, nproc: int, *args: str, timeout: float = 300) -> subp
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
+
+
+class RecordedEvents:
+    """A policy's `events` that keeps what it writes (decisions with their fields)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def write(self, kind: str, **fields: object) -> dict:
+        self.rows.append({"kind": kind, **fields})
+        return self.rows[-1]
+
+    def decisions(self) -> list[dict]:
+        return [e for e in self.rows if e["kind"] == "decision"]

@@ -70,12 +70,12 @@ def test_a_cheap_move_is_probed_when_the_model_may_be_wrong_and_a_confident_one_
     # gbs 16 predicted at 0.217 s: Φ ratio (16/0.217)/(8/0.13) * 28/36 = 0.93, short of paying
     stay = decide(8, t8, 16, Estimate(0.217), gns, 0.0, 100.0, z=1.645)
     assert not stay.switch and not stay.probe
-    probe = decide(8, t8, 16, Estimate(0.217), gns, 0.0, 100.0, z=1.645, probe_log_std=0.3)
+    probe = decide(8, t8, 16, Estimate(0.217, 0.3), gns, 0.0, 100.0, z=1.645, probe=True)  # the model ±30 %
     assert probe.switch and probe.probe and probe.ratio == pytest.approx(stay.ratio)
     assert probe.why.startswith("probe: Φ ratio 0.932")
-    hopeless = decide(8, t8, 16, Estimate(0.5), gns, 0.0, 100.0, z=1.645, probe_log_std=0.3)
+    hopeless = decide(8, t8, 16, Estimate(0.5, 0.3), gns, 0.0, 100.0, z=1.645, probe=True)
     assert not hopeless.switch  # not even a 1.64x faster step would pay
-    confident = decide(8, t8, 16, Estimate(0.15), gns, 0.0, 100.0, z=1.645, probe_log_std=0.3)
+    confident = decide(8, t8, 16, Estimate(0.15, 0.01), gns, 0.0, 100.0, z=1.645, probe=True)  # a sure model
     assert confident.switch and not confident.probe
-    late = decide(8, t8, 16, Estimate(0.217), gns, 50.0, 60.0, z=1.645, probe_log_std=0.3)
+    late = decide(8, t8, 16, Estimate(0.217, 0.3), gns, 50.0, 60.0, z=1.645, probe=True)
     assert not late.switch  # too little time left to pay back even the optimistic case

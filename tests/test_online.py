@@ -16,19 +16,7 @@ from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.search import Candidate, SearchResult
 from cona_cli.strategy import Strategy, resizable
-from tests.support import TINY
-
-
-class Events:
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-
-    def write(self, kind: str, **fields: object) -> dict:
-        self.rows.append({"kind": kind, **fields})
-        return self.rows[-1]
-
-    def decisions(self) -> list[dict]:
-        return [e for e in self.rows if e["kind"] == "decision"]
+from tests.support import TINY, RecordedEvents
 
 
 def _policy(**search: object) -> ConaPolicy:
@@ -36,7 +24,7 @@ def _policy(**search: object) -> ConaPolicy:
     doc["train"] = {**doc["train"], "max_steps": None, "max_time": 3600}
     doc["search"] = {"gbs_min": 8, "gbs_max": 16, "mbs": [2, 4, 8], "switch_cost_s": 1.0, **search}
     policy = ConaPolicy(config_from_dict(doc, "test"), load_hardware("cpu-local"))
-    policy.events = Events()
+    policy.events = RecordedEvents()
     return policy
 
 

@@ -18,7 +18,7 @@ from cona_cli.planner.hardware import load_hardware
 from cona_cli.simulate.law import KaplanDynamics, KaplanLaw
 from cona_cli.simulate.world import Curve, Simulation, WorldSpec
 from cona_cli.strategy import resizable
-from tests.support import REPO, TINY, write_config
+from tests.support import REPO, TINY, RecordedEvents, write_config
 
 runner = CliRunner()
 
@@ -200,15 +200,6 @@ def test_train_says_at_start_when_chaining_cannot_pay(tmp_path: Path, capsys: py
     assert dry.exit_code == 0 and "chaining: chaining can gain at most 1× over" in dry.stdout, dry.output
 
 
-class _Recorded:
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-
-    def write(self, kind: str, **fields: object) -> dict:
-        self.rows.append({"kind": kind, **fields})
-        return self.rows[-1]
-
-
 @pytest.mark.parametrize("factor", [0.7, 1.4])
 def test_cona_probes_a_resizable_rung_the_model_mispredicts_once(
     factor: float, monkeypatch: pytest.MonkeyPatch
@@ -217,7 +208,7 @@ def test_cona_probes_a_resizable_rung_the_model_mispredicts_once(
     (the confident rule alone would not have tried it); a 0.7x one is kept, a 1.4x one left at once."""
     import cona_cli.simulate.world as world
 
-    monkeypatch.setattr(world, "_Decisions", _Recorded)
+    monkeypatch.setattr(world, "_Decisions", RecordedEvents)
     doc = _tiny_doc(16)
     cfg = config_from_dict(doc, "tiny")
     hw = load_hardware("cpu-local")
@@ -231,7 +222,7 @@ def test_cona_probes_a_resizable_rung_the_model_mispredicts_once(
     sim = Simulation(cfg, WorldSpec(law, hw, noise=0.0, measured=measured, max_time=60.0))  # a minute is enough
     policy = ConaPolicy(cfg, hw)
     curve = sim.run(policy, sim.spec.dynamics.floor() + 0.8, seed=0)
-    probes = [r for r in policy.events.rows if r["switch"] and r["why"].startswith("probe")]
+    probes = [r for r in policy.events.decisions() if r["switch"] and r["why"].startswith("probe")]
     assert len(probes) == 1 and probes[0]["candidate"]["gbs"] == 16, curve.switches
     first, after = curve.switches[0], curve.switches[1:2]
     assert first[2] == sixteen

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,7 @@ def test_the_world_follows_the_runs_and_interpolates_a_rung_between_them(tmp_pat
     assert world.samples(16, 9.0, 6.5) == pytest.approx(3200, rel=1e-3)  # the geometric middle
     assert world.after(8, 6.5) == pytest.approx(small.loss_at(1608), abs=1e-3)  # 8 samples further on its curve
     assert world.samples(64, 9.0, 6.5) == pytest.approx(6400, rel=1e-3)  # beyond the runs: as the nearest
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     assert world.report(8, 7.0, rng) == (1.0, 10.0) and world.report(32, 7.0, rng) == (1.0, 60.0)
     assert world.report(16, 7.0, rng) == (1.0, 10.0)  # the nearest measured rung's rows (ties: the smaller)
     assert world.overheads() == (pytest.approx(3.0), pytest.approx(1.0))

@@ -80,6 +80,9 @@ def simulate_command(
     measured, start_s, eval_s = {}, 0.0, 0.0
     if from_run:
         measured, (start_s, eval_s) = dynamics.measured_times(), dynamics.overheads()
+        typer.echo(
+            f"measured overheads: {start_s:.3g} s before the first step, {eval_s:.3g} s per evaluation", err=True
+        )
     spec = WorldSpec(dynamics, world_hw, noise, measured, start_s, eval_s, relaunch_s, storage_gbs, max_time)
     sim = Simulation(cfg, spec)
     if not sim.space:
@@ -140,11 +143,9 @@ def _dynamics(cfg: Any, from_run: list[Path] | None, true_kappa: float, gns_nois
 
         dynamics = RunDynamics([read_static_run(p, cfg) for p in from_run], ladder)
         typer.echo(dynamics.describe(), err=True)
-        if dynamics.unmeasured(ladder):
-            typer.echo(dynamics.unmeasured(ladder), err=True)
-        start_s, eval_s = dynamics.overheads()
-        line = f"measured overheads: {start_s:.3g} s before the first step, {eval_s:.3g} s per evaluation"
-        typer.echo(line, err=True)
+        outside = dynamics.unmeasured(ladder)
+        if outside:
+            typer.echo(outside, err=True)
         return dynamics
     from cona_cli.planner.workload import Workload
     from cona_cli.simulate.law import KaplanDynamics, KaplanLaw

@@ -224,9 +224,9 @@ class ConaPolicy(Policy):
             left.append((t.max_tokens / self.cfg.model.seq_len - row["consumed_samples"]) / gbs * t_step)
         return max(min(left), 0.0) if left else now
 
-    def candidates(self) -> list[tuple[str, Strategy, Estimate, float | None]]:
-        """(kind, strategy, step time, the model's log error if it may be probed) of everything the
-        running strategy is compared with."""
+    def candidates(self) -> list[tuple[str, Strategy, Estimate, bool]]:
+        """(kind, strategy, step time, whether it may be probed) of everything the running strategy is
+        compared with."""
         cur = self.current.strategy
         with self._lock:
             results = dict(self._results)
@@ -236,7 +236,7 @@ class ConaPolicy(Policy):
             t = time_estimate(self.samples[s])
             return Estimate(t.value, math.hypot(t.log_std, moved))
 
-        out: list[tuple[str, Strategy, Estimate, float | None]] = []
+        out: list[tuple[str, Strategy, Estimate, bool]] = []
         ran = {s.gbs for s, v in self.samples.items() if v}  # rungs with a measured strategy
         for gbs, result in sorted(results.items()):
             # The rung's best predicted strategy, and its best one the running job can resize into.
@@ -249,18 +249,17 @@ class ConaPolicy(Policy):
                     continue
                 kind = "same_gbs" if gbs == cur.gbs else "higher_gbs"
                 if s in self.samples:
-                    out.append((kind, s, measured(s), None))
+                    out.append((kind, s, measured(s), False))
                 elif self.in_place and resizable(cur, s):  # never run, cheap to try: the model's time and error
-                    error = c.time_std / c.time_s
                     nxt = gbs == min((g for g in results if g > cur.gbs), default=None) and gbs not in ran
-                    out.append((kind, s, Estimate(c.time_s, error), error if nxt else None))
+                    out.append((kind, s, Estimate(c.time_s, c.time_std / c.time_s), nxt))
                 else:  # never run, a relaunch away: the model's time (the paper's rule)
-                    out.append((kind, s, Estimate(c.time_s), None))
+                    out.append((kind, s, Estimate(c.time_s), False))
         for gbs in (g for g in self.ladder if g < cur.gbs):
             below = [(measured(s), s) for s, v in self.samples.items() if s.gbs == gbs and v]
             if below:
                 t, s = min(below, key=lambda m: m[0].value)
-                out.append(("lower_gbs", s, t, None))
+                out.append(("lower_gbs", s, t, False))
         return out
 
     def _decide(self, row: dict[str, Any], gns: NoiseInterval) -> Stage | None:

@@ -58,11 +58,11 @@ def decide(
     time_left_s: float,
     z: float,
     kappa: float = 1.0,
-    probe_log_std: float | None = None,
+    probe: bool = False,
 ) -> Decision:
     """Compare the running strategy with a candidate; `gns` carries its bounds at the same confidence
-    level as `z` (e.g. 1.645 for 95 % one-sided). `probe_log_std`: the model's error of a predicted
-    candidate that may be probed (None: not a probe candidate)."""
+    level as `z` (e.g. 1.645 for 95 % one-sided). `probe`: the candidate may be probed (its step time is
+    the model's, with the model's error in `t_candidate.log_std`)."""
     ratio = phi_ratio(gbs, t_current.value, gbs_candidate, t_candidate.value, kappa * gns.value)
     worst = gns.low if gbs_candidate > gbs else gns.high if gbs_candidate < gbs else gns.value
     log_std = math.hypot(t_current.log_std, t_candidate.log_std)
@@ -74,10 +74,10 @@ def decide(
         f"[{gns.low:.4g}, {gns.high:.4g}], step times ±{log_std:.3f} in log), × {payback:.3f} for the "
         f"{switch_cost_s:.2f} s switch in the {time_left_s:.0f} s left = {low * payback:.3f}"
     )
-    if switch or probe_log_std is None:
+    if switch or not probe:
         return Decision(switch, ratio, low, payback, why)
-    high = ratio * math.exp(z * math.hypot(t_current.log_std, probe_log_std))
-    probe = high * payback > 1.0
-    if probe:
-        why = f"probe: Φ ratio {ratio:.3f}, {high:.3f} were the predicted step time off by {z:.3g} of its error; " + why
-    return Decision(probe, ratio, low, payback, why, probe)
+    high = ratio * math.exp(z * log_std)
+    if high * payback <= 1.0:
+        return Decision(False, ratio, low, payback, why)
+    why = f"probe: Φ ratio {ratio:.3f}, {high:.3f} were the predicted step time off by {z:.3g} of its error; " + why
+    return Decision(True, ratio, low, payback, why, probe=True)

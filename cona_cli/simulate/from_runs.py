@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from cona_cli.config import Config
+from cona_cli.control.cona_policy import WARMUP_STEPS  # a launch's first steps are not timed
 from cona_cli.control.resume import first_difference
 from cona_cli.report.runlog import as_strategy
 from cona_cli.rundir import RunDir, read_jsonl
@@ -35,7 +36,6 @@ from cona_cli.strategy import Strategy
 EXTRAPOLATE_NATS = 0.5  # how far below the lowest measured loss the curves are extended
 GRID_POINTS = 4000  # losses on which every rung's samples-to-loss curve is tabulated
 NEAREST = 8  # GNS rows drawn from among the nearest this many by loss on each side
-WARMUP_STEPS = 2  # a launch's first steps are not timed (as the policy does)
 
 
 class RunDataError(ValueError):
@@ -117,14 +117,14 @@ def read_static_run(path: Path, cfg: Config) -> StaticRun:
         for r in steps
         if r.get("grad_sq_raw") is not None and r.get("trace_raw") is not None
     )
-    pauses, last = [], None
+    pauses, last_step, evaluated = [], None, False
     for r in rows:  # an evaluation's pause: from the step before it to the start of the step after it
-        if r.get("kind") == "eval" and r.get("step") and last is not None:
-            last = ("eval", last[1])
+        if r.get("kind") == "eval" and r.get("step"):
+            evaluated = last_step is not None
         elif r.get("kind") == "step" and r.get("iter_s") is not None:
-            if last is not None and last[0] == "eval":
-                pauses.append(max(0.0, float(r["time"]) - float(r["iter_s"]) - last[1]))
-            last = ("step", float(r["time"]))
+            if evaluated:
+                pauses.append(max(0.0, float(r["time"]) - float(r["iter_s"]) - last_step))
+            last_step, evaluated = float(r["time"]), False
     first = steps[0]
     start_s = max(0.0, float(first["time"]) - float(first.get("iter_s") or 0.0))
     seen: dict[Any, int] = {}

@@ -32,6 +32,12 @@ class KaplanLaw:
             return math.inf
         return (self.n_c / self.n_params) ** self.alpha_n + (self.s_c / s_min) ** self.alpha_s
 
+    def s_min(self, loss: float) -> float:
+        """The minimal steps that reach `loss` (the inverse of `loss`; 0 for an infinite loss)."""
+        if not math.isfinite(loss):
+            return 0.0
+        return self.s_c / (loss - self.loss_floor()) ** (1 / self.alpha_s)
+
     def critical_batch(self, loss: float) -> float:
         """B_crit(L) in sequences (0 while the loss is infinite)."""
         if not math.isfinite(loss):
@@ -67,27 +73,22 @@ class KaplanDynamics:
     def floor(self) -> float:
         return self.law.loss_floor()
 
-    def _s_min(self, loss: float) -> float:
-        if not math.isfinite(loss):
-            return 0.0
-        return self.law.s_c / (loss - self.law.loss_floor()) ** (1 / self.law.alpha_s)
-
     def progress(self, gbs: int, loss: float) -> float:
         """Minimal steps one step at `gbs` is worth at `loss`."""
         return self.law.progress(gbs, loss) * (gbs / self.base_gbs) ** self.lr_sensitivity
 
     def after(self, gbs: int, loss: float) -> float:
         """The loss one step at `gbs` leads to from `loss`."""
-        return self.law.loss(self._s_min(loss) + self.progress(gbs, loss))
+        return self.law.loss(self.law.s_min(loss) + self.progress(gbs, loss))
 
     def grid(self, stop_loss: float, points: int) -> list[float]:
         """Losses from the start to just past `stop_loss`, geometric in minimal steps."""
-        s_stop = self._s_min(stop_loss)
+        s_stop = self.law.s_min(stop_loss)
         return [math.inf, *(self.law.loss(s) for s in np.geomspace(1.0, max(s_stop * (1 + 1e-9), 1.0), points))]
 
     def samples(self, gbs: int, high: float, low: float) -> float:
         """Samples `gbs` needs to bring the loss from `high` to `low` (at the stretch's middle progress)."""
-        lo, hi = self._s_min(high), self._s_min(low)
+        lo, hi = self.law.s_min(high), self.law.s_min(low)
         return gbs * (hi - lo) / self.progress(gbs, self.law.loss((lo + hi) / 2))
 
     def report(self, gbs: int, loss: float, rng: random.Random) -> tuple[float, float]:

@@ -157,10 +157,7 @@ class Simulation:
             curve.losses.append(dyn.after(cur.gbs, loss))
             row = {"kind": "step", "step": step, "launch": launch, "time": t, "iter_s": iter_s}
             row |= {"consumed_samples": consumed, **cur.to_dict()}
-            if spec.eval_s and self._evaluates(step, t - last_eval):
-                t, last_eval = t + spec.eval_s, t + spec.eval_s
-                curve.times.append(t)
-                curve.losses.append(curve.losses[-1])
+            t, last_eval = self._evaluation(curve, step, t, last_eval)
             if held > 0:
                 held -= 1
             else:
@@ -184,11 +181,18 @@ class Simulation:
             cur, held = new, self.hold
         return curve
 
-    def _evaluates(self, step: int, since_last: float) -> bool:
-        """Whether the workers evaluate after `step` (as launch.worker schedules it)."""
+    def _evaluation(self, curve: Curve, step: int, t: float, last_eval: float) -> tuple[float, float]:
+        """The pause of an evaluation after `step` if the workers would make one there (as launch.worker
+        schedules it), added to `curve`: (the time after it, the last evaluation's time)."""
         tr = self.cfg.train
         by_steps = tr.eval_interval is not None and (step + 1) % tr.eval_interval == 0
-        return by_steps or (tr.eval_interval_s is not None and since_last >= tr.eval_interval_s)
+        by_time = tr.eval_interval_s is not None and t - last_eval >= tr.eval_interval_s
+        if not self.spec.eval_s or not (by_steps or by_time):
+            return t, last_eval
+        t += self.spec.eval_s
+        curve.times.append(t)
+        curve.losses.append(curve.losses[-1])
+        return t, t
 
     def static(self, strategy: Strategy, stop_loss: float, seed: int) -> Curve:
         return self.run(StaticPolicy(strategy), stop_loss, seed)
@@ -216,10 +220,7 @@ class Simulation:
             t += self.true_time[s]
             curve.times.append(t)
             curve.losses.append(dyn.after(s.gbs, loss))
-            if spec.eval_s and self._evaluates(step, t - last_eval):
-                t, last_eval = t + spec.eval_s, t + spec.eval_s
-                curve.times.append(t)
-                curve.losses.append(curve.losses[-1])
+            t, last_eval = self._evaluation(curve, step, t, last_eval)
         return curve
 
     def _with_evals(self, seconds: float, steps: float) -> float:
