@@ -49,6 +49,9 @@ def _precision(v: Any) -> str | None:
     return _one_of("auto", "fp32", "bf16")(v)
 
 
+_AUTO_BOOL = "must be auto, true or false"
+
+
 def _f(default: Any = dataclasses.MISSING, check: Check | None = None) -> Any:
     return field(default=default, metadata={"check": check})
 
@@ -261,6 +264,11 @@ class TrainConfig:
     checkpoint_interval_s: float | None = _f(600.0, _positive)
     # the most of the training time periodic checkpoints may take
     checkpoint_max_share: float = _f(0.02, lambda v: None if 0 < v <= 1 else "must be in (0, 1]")
+    # Periodic checkpoints written in the background (DCP async_save: training waits only for the copy
+    # to host memory; committed once every rank's write is done): auto (on GPUs), true or false
+    checkpoint_async: bool | str = _f(
+        "auto", lambda v: None if v in ("auto", True, False) else "must be auto, true or false"
+    )
     max_restarts: int = _f(3, _non_negative)  # relaunches after failures within restart_window_s
     restart_window_s: float = _f(3600.0, _positive)  # the window max_restarts counts failures in
     gns: bool = _f(True)  # measure the gradient noise scale every step

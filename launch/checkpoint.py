@@ -26,6 +26,8 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,17 +95,105 @@ def save(
     ones are pruned only once this one is committed. `before_commit` runs on every rank once its
     shards are written (a test hook: die or linger there)."""
     t0 = time.perf_counter()
+    final, tmp = _begin(root, step, model, optimizer)
+    states = _states(model, optimizer)
+    _together(lambda: dcp.save(states, checkpoint_id=str(tmp)), root, tmp, model, optimizer)
+    _commit(root, step, tmp, trainer_state, keep, model, optimizer, before_commit)
+    return final, time.perf_counter() - t0, _dir_bytes(final)
+
+
+def async_saves(setting: bool | str, device: torch.device) -> bool:
+    """Whether periodic checkpoints are written in the background (`train.checkpoint_async`): `auto` on
+    GPUs, where the step waits only for the copy to host memory; not on CPUs, where the writing thread
+    would take the cores the step runs on."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose shards are being written in the background (`save_async`), not yet committed."""
+
+    step: int
+    tmp: Path
+    future: Future
+    trainer_state: dict[str, Any]  # as it was when the state was staged
+    blocked_s: float  # how long training waited for it so far
+
+    def written(self) -> bool:
+        """Whether this rank's shards are written (or the write failed): `finish_save` will not wait."""
+        return self.future.done()
+
+
+def save_async(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    group: dist.ProcessGroup,
+) -> PendingSave:
+    """Collective: stage the state to host memory and write it in a background thread (DCP's async_save,
+    its collectives on `group`, a gloo group of its own so that they never interleave with training's);
+    training continues at once. `finish_save` commits it. Until then the newest committed checkpoint is
+    the one a restart uses, and nothing is pruned."""
+    t0 = time.perf_counter()
+    _, tmp = _begin(root, step, model, optimizer)
+    states = _states(model, optimizer)
+    started: list[Future] = []
+    _together(
+        lambda: started.append(dcp.async_save(states, checkpoint_id=str(tmp), process_group=group)),
+        root,
+        tmp,
+        model,
+        optimizer,
+    )
+    frozen = json.loads(json.dumps(trainer_state))  # the trainer's state moves on while the write runs
+    return PendingSave(step, tmp, started[0], frozen, time.perf_counter() - t0)
+
+
+def finish_save(
+    pending: PendingSave,
+    root: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    keep: int,
+    before_commit: Callable[[], None] | None = None,
+) -> tuple[Path, float, int]:
+    """Collective: wait for a `save_async` write on every rank and commit it as `save` does. Returns
+    (committed path, seconds training waited for it in all, bytes); SaveError as `save`."""
+    t0 = time.perf_counter()
+    _together(pending.future.result, root, pending.tmp, model, optimizer)
+    final = _commit(root, pending.step, pending.tmp, pending.trainer_state, keep, model, optimizer, before_commit)
+    return final, pending.blocked_s + time.perf_counter() - t0, _dir_bytes(final)
+
+
+def _begin(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Path, Path]:
+    """Collective: a fresh temporary folder for step `step`'s checkpoint; (final path, temporary path)."""
     final = step_dir(root, step)
     tmp = root / f".tmp-{final.name}"
-    rank0 = dist.get_rank() == 0
 
     def start() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
 
-    _together(start if rank0 else None, root, tmp, model, optimizer)
-    states = _states(model, optimizer)
-    _together(lambda: dcp.save(states, checkpoint_id=str(tmp)), root, tmp, model, optimizer)
+    _together(start if dist.get_rank() == 0 else None, root, tmp, model, optimizer)
+    return final, tmp
+
+
+def _commit(
+    root: Path,
+    step: int,
+    tmp: Path,
+    trainer_state: dict[str, Any],
+    keep: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    before_commit: Callable[[], None] | None,
+) -> Path:
+    """Collective, once every rank's shards are in `tmp`: rank 0 writes the trainer state, renames the
+    folder to its final name and writes the marker; then older checkpoints are pruned."""
+    final = step_dir(root, step)
+    rank0 = dist.get_rank() == 0
     if before_commit is not None:
         before_commit()
     dist.barrier()  # every rank past its hook before rank 0 commits
@@ -123,7 +213,7 @@ def save(
     if rank0:
         _prune(root, keep)  # only now: the new checkpoint is committed
     dist.barrier()
-    return final, time.perf_counter() - t0, _dir_bytes(final)
+    return final
 
 
 def _maybe_fault(step: int, path: Path) -> None:

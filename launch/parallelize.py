@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cona_cli.config import ConfigError
 from cona_cli.strategy import Strategy
+from launch.buckets import IN_FLIGHT, buckets
 from launch.device import group_device
 from launch.models.spec import Batch, ModelSpec
 from launch.precision import autocast_forward, fsdp_policy, resolve_precision
@@ -97,16 +98,33 @@ class ParallelModel:
         return torch.stack(losses).sum()
 
     def average_grads(self) -> None:
-        """Data-parallel gradient average where DDP/FSDP did not already do it during backward:
-        the local (TP-sharded) gradients in one flat all-reduce over the dp group."""
+        """Data-parallel gradient average where DDP/FSDP did not already do it during backward: the local
+        (TP-sharded) gradients over the dp group, in buckets (`launch.buckets`), a few all-reduces in flight.
+        A bucket of one contiguous gradient is reduced in place; others through a flat copy of the bucket."""
         if self.dp_group is None:
             return
         grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
+        in_flight: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
+        for group in buckets([g.numel() * g.element_size() for g in grads]):
+            bucket = [grads[i] for i in group]
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                flat = bucket[0].view(-1)
+            else:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+            in_flight.append((bucket, flat, dist.all_reduce(flat, group=self.dp_group, async_op=True)))
+            if len(in_flight) == IN_FLIGHT:
+                self._unpack(*in_flight.pop(0))
+        for pending in in_flight:
+            self._unpack(*pending)
+
+    def _unpack(self, bucket: list[torch.Tensor], flat: torch.Tensor, work: dist.Work) -> None:
+        """Wait for one bucket's all-reduce and put the averages back into its gradients."""
+        work.wait()
         flat /= self.strategy.dp
+        if len(bucket) == 1 and flat.data_ptr() == bucket[0].data_ptr():
+            return
         offset = 0
-        for g in grads:
+        for g in bucket:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
@@ -241,7 +259,7 @@ def parallelize(
         # Measured with torch 2.13 on gloo: DDP's reducer rejects DTensor parameters under TP (mixed
         # Tensor/DTensor ops), and under pipelining with 2 micro-batches it fails its bucket rebuild
         # (INTERNAL ASSERT in reducer.cpp). There the local gradients are averaged here, after the
-        # step's backward passes, in one flat all-reduce over the dp group.
+        # step's backward passes, in buckets over the dp group (`average_grads`).
         pm.dp_group = mesh["dp"].get_group()
     if strategy.pp > 1 and spec.tied:
         pm.tie_group = tie_group(mesh)

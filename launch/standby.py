@@ -28,7 +28,7 @@ from typing import NamedTuple
 from cona_cli.config import config_from_json
 from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy
-from launch import worker
+from launch import testhooks, worker
 from launch.data.corpus import CorpusInfo
 from launch.device import init_distributed, placement
 from launch.layout import Layout, prepare_layout
@@ -141,6 +141,7 @@ def main() -> None:
         return
     if not restore_priority(old):
         print("cona-standby: could not restore the normal scheduling priority", file=sys.stderr, flush=True)
+    testhooks.maybe_die(run.path, "handover", 0, int(os.environ.get("RANK", "0")))
     doc = handover.doc
     resume = Path(doc["resume"]) if doc.get("resume") else None
     worker.run(run.path, Strategy.parse(doc["strategy"]), args.launch, resume, doc.get("stop_step"), handover.layout)

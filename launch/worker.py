@@ -80,6 +80,7 @@ class StepOut(NamedTuple):
     stop: str | None  # rank 0's stop decision: "command", "max_time" or None
     eval: bool  # rank 0 wants an evaluation after this step
     checkpoint: bool  # rank 0 wants a time-based periodic checkpoint after this step
+    written: bool  # every rank's shards of the checkpoint being written in the background are written
     noise: dict[str, float]
     memory: dict[str, Any]  # peak memory (max over ranks) and the planner's estimate
     strategy: Strategy  # what the step ran under (the next one may run resized)
@@ -157,6 +158,11 @@ class Worker:
         self.switch_requested = False  # the controller's stop command is for a switch, not the run's end
         self.resize_requested: Strategy | None = None  # rank 0: the batch the controller asked for
         self.saved: tuple[int, Path] | None = None  # (step, path) of the checkpoint this state is in
+        # Periodic checkpoints written in the background (DCP's async_save) on a gloo group of their own.
+        self.async_group = (
+            dist.new_group(backend="gloo") if checkpoint.async_saves(t.checkpoint_async, self.device) else None
+        )
+        self.pending: checkpoint.PendingSave | None = None  # a periodic checkpoint still being written
         self.last_save_time = self.now()
         self.last_save_s = 0.0  # how long the last save took: stretches the periodic interval
         self.metrics = open(self.files.metrics, "a") if self.rank == 0 else None
@@ -191,32 +197,76 @@ class Worker:
 
     def save(self, reason: str) -> Path:
         """Checkpoint the current state (collective); a state already saved is not saved again."""
+        self.finish_pending()
         step = self.state.step
         if self.saved is not None and self.saved[0] == step:
             return self.saved[1]
-        self.state.extra["gns"] = self.noise.state_dict()
-        trainer = {"trainer": self.state.__dict__, "strategy": self.strategy.to_dict(), "launch": self.launch}
+        path, seconds, nbytes = checkpoint.save(
+            self.ckpt_root,
+            step,
+            self.pm.model,
+            self.opt,
+            self._trainer(),
+            self.cfg.train.checkpoint_keep,
+            self._hook(step),
+        )
+        self._saved(step, path, seconds, nbytes, reason)
+        return path
 
-        def before_commit() -> None:
+    def save_periodic(self) -> None:
+        """A periodic checkpoint (collective): in the background where async saves are on, else as `save`."""
+        if self.async_group is None:
+            self.save("periodic")
+            return
+        self.finish_pending()
+        if self.saved is not None and self.saved[0] == self.state.step:
+            return
+        self.pending = checkpoint.save_async(
+            self.ckpt_root, self.state.step, self.pm.model, self.opt, self._trainer(), self.async_group
+        )
+        self.last_save_time = self.now()
+
+    def finish_pending(self) -> None:
+        """Commit the periodic checkpoint being written in the background, waiting for it if need be."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        t = self.cfg.train
+        path, seconds, nbytes = checkpoint.finish_save(
+            pending, self.ckpt_root, self.pm.model, self.opt, t.checkpoint_keep, self._hook(pending.step)
+        )
+        self._saved(pending.step, path, seconds, nbytes, "periodic")
+
+    def _trainer(self) -> dict[str, Any]:
+        self.state.extra["gns"] = self.noise.state_dict()
+        return {"trainer": self.state.__dict__, "strategy": self.strategy.to_dict(), "launch": self.launch}
+
+    def _hook(self, step: int) -> Callable[[], None]:
+        """What runs inside step `step`'s save, after this rank's shards are written and before the commit
+        (test hooks)."""
+
+        def hook() -> None:
             testhooks.save_delay()
             testhooks.maybe_die(self.run_dir, "save", step, self.rank)
 
-        path, seconds, nbytes = checkpoint.save(
-            self.ckpt_root, step, self.pm.model, self.opt, trainer, self.cfg.train.checkpoint_keep, before_commit
-        )
-        self.saved, self.last_save_time, self.last_save_s = (step, path), self.now(), seconds
+        return hook
+
+    def _saved(self, step: int, path: Path, seconds: float, nbytes: int, reason: str) -> None:
+        """A checkpoint of step `step` is committed: `seconds` is how long training waited for it."""
+        self.saved, self.last_save_s = (step, path), seconds
+        if reason != "periodic" or self.async_group is None:  # (async: the interval counts from its start)
+            self.last_save_time = self.now()
         if self.telemetry is not None:
             self.telemetry.send(
                 {
                     "type": "checkpoint",
-                    "step": self.state.step,
+                    "step": step,
                     "path": str(path),
                     "seconds": round(seconds, 4),
                     "bytes": nbytes,
                     "reason": reason,
                 }
             )
-        return path
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -287,21 +337,33 @@ class Worker:
             command = _STOP_SWITCH if self.switch_requested else _STOP_COMMAND
             stop = command if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
         resize, self.resize_requested = self.resize_requested, None
-        loss_total, grad_sq, small_sq, big_sq, stop_code, eval_votes, ckpt_votes, new_mbs, new_gbs, *slots = (
-            self._reduce(
-                [
-                    loss_sum if self._counts_loss() else 0.0,
-                    local_grad_sq(self.pm),
-                    self.small.small_share() if self.small is not None else 0.0,
-                    self.small.big_share() if self.small is not None else 0.0,
-                    stop,
-                    float(self.rank == 0 and want_eval),
-                    float(self.rank == 0 and self.checkpoint_due_by_time()),
-                    float(resize.mbs) if resize else 0.0,
-                    float(resize.gbs) if resize else 0.0,
-                    *self._memory_slots(),
-                ]
-            )
+        writing = self.pending is not None and not self.pending.written()
+        (
+            loss_total,
+            grad_sq,
+            small_sq,
+            big_sq,
+            stop_code,
+            eval_votes,
+            ckpt_votes,
+            writers,
+            new_mbs,
+            new_gbs,
+            *slots,
+        ) = self._reduce(
+            [
+                loss_sum if self._counts_loss() else 0.0,
+                local_grad_sq(self.pm),
+                self.small.small_share() if self.small is not None else 0.0,
+                self.small.big_share() if self.small is not None else 0.0,
+                stop,
+                float(self.rank == 0 and want_eval),
+                float(self.rank == 0 and self.checkpoint_due_by_time()),
+                float(writing),
+                float(resize.mbs) if resize else 0.0,
+                float(resize.gbs) if resize else 0.0,
+                *self._memory_slots(),
+            ]
         )
         noise = self._update_noise(small_sq, big_sq)
         grad_norm = math.sqrt(grad_sq)
@@ -319,6 +381,7 @@ class Worker:
             stop_reason,
             eval_votes > 0,
             ckpt_votes > 0,
+            self.pending is not None and writers == 0,
             noise,
             self.memory_fields(slots),
             s,
@@ -338,6 +401,7 @@ class Worker:
         self.__dict__.pop("eval_set", None)
         self.memory_estimate = self.files.memory_estimates().get(str(strategy))
         reset_peak_memory(self.device)  # the new batch's own peak (CUDA; the CPU's peak RSS cannot go down)
+        testhooks.maybe_die(self.run_dir, "resize", self.state.step, self.rank)
 
     def _update_noise(self, small_total: float, big_sq: float) -> dict[str, float]:
         """Feed one step's norms to the GNS estimator; returns the metric fields."""
@@ -497,8 +561,10 @@ class Worker:
             )
             val_ppl = self.run_eval() if out.eval else None
             reason = self.stop_reason(val_ppl) or out.stop
+            if out.written:
+                self.finish_pending()
             if reason is None and self.checkpoint_due(out):
-                self.save("periodic")
+                self.save_periodic()
         if self.ends_run(reason, stop_step) and st.last_eval_step != st.step:
             self.run_eval()  # the last checkpoint's validation perplexity is always in metrics.jsonl
         path = self.save({"stage_end": "switch", "command": "interrupt"}.get(reason, "final"))

@@ -6,15 +6,23 @@ steps a recovery lost and how many launches failed after the kills. Exits 1 if a
 checkpoint was corrupted or a process outlived its run.
 
     .venv/bin/python scripts/chaos.py 30 [--policy static,chain,cona] [--periodic on,off] [--seed 0]
-        [--steps 30] [--max-kills 2] [--keep]
+        [--steps 30] [--max-kills 2] [--kills worker,restart,...] [--keep]
 
 Runs cycle through the policies and the periodic-checkpoint settings (`on`: every 5 steps; `off`: the
-default time-based interval, which a 30-step run never reaches). What is killed, at random:
-  worker       a rank (SIGKILL), at a random step
-  controller   `cona train` (SIGKILL), then `--resume`
-  agent        the torchrun agent of the running job (SIGKILL)
-  switch-save  a rank dies inside the checkpoint save of the chain's first switch (policy chain only;
-               CONA_TEST_DIE_AT_STEP=N:RANK:save)
+default time-based interval, which a 30-step run never reaches). What is killed, at random (SIGKILL):
+  worker         a rank, at a random step
+  controller     `cona train`, at a random step, then `--resume`
+  agent          the torchrun agent of the running job
+  restart        a rank, then the agent of the launch that restarts the run, as soon as it is started
+  switch-save    a rank inside the checkpoint save of the chain's first switch (chain only;
+                 CONA_TEST_DIE_AT_STEP=N:RANK:save)
+  switch-handoff the controller once a switch's checkpoint is committed, before the next launch steps
+                 (chain and cona), then `--resume`
+  standby-start  the agent of a standby while it starts (chain: its next stage is a relaunch)
+  handover       a standby's rank just after it read its hand-over, before it loads (chain;
+                 CONA_TEST_DIE_AT_STEP=*:RANK:handover)
+  resize         a rank just after an in-place resize took effect (cona; CONA_TEST_DIE_AT_STEP=*:RANK:resize)
+A kill whose moment never came in a run (cona did not resize, no standby started) is not counted.
 Saves linger 0.3 s (CONA_TEST_SAVE_DELAY_S) so that some kills land inside a checkpoint save.
 """
 
@@ -31,6 +39,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +53,20 @@ from tests.support import TINY, write_config  # noqa: E402
 
 ENV = {**os.environ, "CONA_TEST_SAVE_DELAY_S": "0.3"}
 POLICIES = ("static", "chain", "cona")
-KILLS = ("worker", "controller", "agent", "switch-save")
+KILLS = (
+    "worker",
+    "controller",
+    "agent",
+    "restart",
+    "switch-save",
+    "switch-handoff",
+    "standby-start",
+    "handover",
+    "resize",
+)
+HOOKS = {"switch-save": "save", "handover": "handover", "resize": "resize"}  # kills the worker makes itself
+FOR_POLICY = {"switch-save": ("chain",), "switch-handoff": ("chain", "cona"), "standby-start": ("chain",)}
+FOR_POLICY |= {"handover": ("chain",), "resize": ("cona",)}
 
 
 def chain_boundary(steps: int) -> int:
@@ -161,38 +183,90 @@ def continuous(step_rows: list[dict], steps: int) -> bool:
     return all(r["consumed_samples"] == before[r["step"]] + r["gbs"] for r in step_rows)
 
 
-def one_run(tmp: Path, rng: random.Random, steps: int, max_kills: int, policy: str, periodic: bool) -> dict:
+def wait_for(proc: subprocess.Popen, ready: Callable[[], object], timeout: float = 120.0) -> object:
+    """Poll `ready` until it returns something truthy, the run ends or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        found = ready()
+        if found:
+            return found
+        time.sleep(0.02)
+    return None
+
+
+def outcome_written(run: Path) -> int | None:
+    """The last launch, once its workers wrote the outcome of a switch (its checkpoint is committed)."""
+    state = RunState.load(run)
+    path = RunDir(run).launch_outcome(state.launch) if state else None
+    try:
+        reason = json.loads(path.read_text())["reason"] if path else None
+    except (OSError, ValueError, KeyError):
+        return None
+    return state.launch if state and reason in ("stage_end", "command") else None
+
+
+def one_run(
+    tmp: Path, rng: random.Random, steps: int, max_kills: int, policy: str, periodic: bool, allowed: list[str]
+) -> dict:
     tmp.mkdir(parents=True)
     doc = config_doc(steps, policy, periodic)
     cfg = write_config(tmp / "tiny.yaml", doc)
     run = tmp / "run"
-    kinds = [k for k in KILLS if k != "switch-save" or policy == "chain"]
+    kinds = [k for k in allowed if policy in FOR_POLICY.get(k, POLICIES)]
     plan = [rng.choice(kinds) for _ in range(rng.choice(range(1, max_kills + 1)))]
-    env = {}
-    if "switch-save" in plan:  # the die hook fires once per run folder, inside that save
-        env["CONA_TEST_DIE_AT_STEP"] = f"{chain_boundary(steps)}:{rng.randint(0, 1)}:save"
+    hooks = {HOOKS[k] for k in plan if k in HOOKS}  # each fires once per run folder, however often drawn
+    specs = {"save": f"{chain_boundary(steps)}:{rng.randint(0, 1)}:save"}
+    specs |= {place: f"*:{rng.randint(0, 1)}:{place}" for place in ("handover", "resize")}
+    env = {"CONA_TEST_DIE_AT_STEP": ",".join(specs[h] for h in sorted(hooks))} if hooks else {}
     proc = cona("train", str(cfg), "--run-dir", str(run), env=env)
     kills = dict.fromkeys(KILLS, 0)
-    kills["switch-save"] = int("switch-save" in plan)  # the hook fires once, however often it was drawn
-    for kind in (k for k in plan if k != "switch-save"):
+
+    def kill_controller(kind: str) -> None:
+        nonlocal proc
+        proc.kill()
+        proc.wait()
+        kills[kind] += 1
+        proc = cona("train", "--resume", str(run), env=env)
+
+    for kind in (k for k in plan if k not in HOOKS):
+        if kind == "switch-handoff":
+            seen = outcome_written(run) or 0  # not the outcome of a launch already past
+            if wait_for(proc, lambda seen=seen: (outcome_written(run) or 0) > seen):
+                kill_controller(kind)
+            continue
+        if kind == "standby-start":
+            state = wait_for(proc, lambda: (lambda st: st if st and st.standby_pids else None)(RunState.load(run)))
+            if state is not None and not RunDir(run).standby_ready(state.launch + 1).is_file():
+                os.kill(state.standby_pids[0], signal.SIGKILL)
+                kills[kind] += 1
+            continue
         at = last_step(run) + rng.randint(1, 8)
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and last_step(run) < at and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(proc, lambda at=at: last_step(run) >= at)
         time.sleep(rng.uniform(0, 0.4))
         if proc.poll() is not None:
             break
         state = RunState.load(run)
-        pids = worker_pids(run) if kind == "worker" else state.agent_pids[:1] if state and kind == "agent" else []
-        if pids:
-            os.kill(rng.choice(pids), signal.SIGKILL)
+        pids = worker_pids(run) if kind in ("worker", "restart") else state.agent_pids[:1] if state else []
+        if kind == "controller" or not pids:
+            kill_controller("controller")
+            continue
+        os.kill(rng.choice(pids), signal.SIGKILL)
+        if kind != "restart":
             kills[kind] += 1
-        else:
-            proc.kill()
-            proc.wait()
-            kills["controller"] += 1
-            proc = cona("train", "--resume", str(run), env=env)
+            continue
+        launch = state.launch if state else 0
+        restarted = wait_for(
+            proc,
+            lambda launch=launch: (lambda st: st if st and st.launch > launch and st.agent_pids else None)(
+                RunState.load(run)
+            ),
+        )
+        if restarted is not None:
+            os.kill(restarted.agent_pids[0], signal.SIGKILL)
+            kills[kind] += 1
     _, err = proc.communicate(timeout=600)
+    for kind, place in HOOKS.items():
+        kills[kind] = sum(1 for _ in run.glob(f".test-died-*-{place}"))
     step_rows = [r for r in rows(run / "metrics.jsonl") if r.get("kind") == "step"]
     final = {r["step"]: r for r in step_rows}
     leftover = job_processes(run)
@@ -203,7 +277,10 @@ def one_run(tmp: Path, rng: random.Random, steps: int, max_kills: int, policy: s
     # Each kill of a rank or an agent fails its launch at most once (not when it hit a job whose controller
     # was dead: the job just stops); any failure beyond those is recovery's own (a relaunch refused a
     # checkpoint, a resumed job collided with a live one, ...).
-    extra_failures = max(0, failures - sum(kills[k] for k in ("worker", "agent", "switch-save")))
+    # A restart kill fails two launches (the killed one and the restart); a standby killed before its
+    # hand-over fails none (the next launch starts cold).
+    expected = sum(kills[k] for k in ("worker", "agent", "switch-save", "handover", "resize")) + 2 * kills["restart"]
+    extra_failures = max(0, failures - expected)
     for e in events:  # steps reached before a recovery minus the step it restored
         if e.get("kind") == "launch" and e.get("reason") in ("restart", "resume"):
             reached = max((r["step"] for r in step_rows if r["wall_clock"] < e["wall_clock"]), default=0)
@@ -236,6 +313,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=30, help="steps per run (a checkpoint every 5)")
     parser.add_argument("--max-kills", type=int, default=2, help="kills per run: 1 to this many, at random")
+    parser.add_argument("--kills", default=",".join(KILLS), help="comma-separated kinds of kill to draw from")
     parser.add_argument("--keep", action="store_true", help="keep the run folders")
     args = parser.parse_args()
     if args.n < 1 or args.steps < 6 or args.max_kills < 1:
@@ -245,6 +323,12 @@ def main() -> int:
         parser.error(
             f"--policy: unknown {', '.join(sorted(set(policies) - set(POLICIES)))} (known: {', '.join(POLICIES)})"
         )
+    allowed = args.kills.split(",")
+    if not set(allowed) <= set(KILLS):
+        parser.error(f"--kills: unknown {', '.join(sorted(set(allowed) - set(KILLS)))} (known: {', '.join(KILLS)})")
+    for policy in policies:
+        if not any(policy in FOR_POLICY.get(k, POLICIES) for k in allowed):
+            parser.error(f"--kills: none of {args.kills} applies to policy {policy}")
     if not set(periodic) <= {"on", "off"}:
         parser.error(f"--periodic: {args.periodic!r}: give on, off or on,off")
     rng = random.Random(args.seed)
@@ -255,7 +339,7 @@ def main() -> int:
     results, t0 = [], time.monotonic()
     for i in range(args.n):
         policy, on = policies[i % len(policies)], periodic[(i // len(policies)) % len(periodic)] == "on"
-        r = one_run(base / f"run{i:03d}", rng, args.steps, args.max_kills, policy, on)
+        r = one_run(base / f"run{i:03d}", rng, args.steps, args.max_kills, policy, on, allowed)
         results.append(r)
         killed = ", ".join(f"{k} {n}" for k, n in r["kills"].items() if n) or "none"
         print(

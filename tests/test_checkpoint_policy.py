@@ -17,8 +17,8 @@ import pytest
 from cona_cli import rundir
 from cona_cli.config import ConfigError, TrainConfig, config_from_dict
 from cona_cli.control import failures
-from cona_cli.control.controller import Controller
 from cona_cli.control.policies import Stage
+from cona_cli.control.recovery import Recovery
 from cona_cli.strategy import Strategy
 from tests.support import REPO, TINY, write_config
 
@@ -116,14 +116,14 @@ def test_a_restart_runs_the_batch_in_force_when_its_checkpoint_was_taken(tmp_pat
     ctl = SimpleNamespace(policy=policy)
     resized = Stage(Strategy.parse("dp2-tp1-pp1-mbs4-gbs16"), None, "ramp")
     before = _checkpoint(tmp_path, 4, "dp2-tp1-pp1-mbs2-gbs8")  # taken before the resize
-    stage = Controller._batch_at(ctl, before, resized)
+    stage = Recovery.batch_at(ctl, before, resized)
     assert str(stage.strategy) == "dp2-tp1-pp1-mbs2-gbs8" and policy.moved == [stage]
     after = _checkpoint(tmp_path, 9, "dp2-tp1-pp1-mbs4-gbs16")  # taken after it: unchanged
-    assert Controller._batch_at(ctl, after, resized) is resized
+    assert Recovery.batch_at(ctl, after, resized) is resized
     other_layout = _checkpoint(tmp_path, 12, "dp1-tp2-pp1-mbs2-gbs8")  # a relaunch's layout: the policy's stage
-    assert Controller._batch_at(ctl, other_layout, resized) is resized
+    assert Recovery.batch_at(ctl, other_layout, resized) is resized
     policy.in_place = False
-    assert Controller._batch_at(ctl, before, resized) is resized and len(policy.moved) == 1
+    assert Recovery.batch_at(ctl, before, resized) is resized and len(policy.moved) == 1
 
 
 # -- end to end (torchrun, two ranks) --------------------------------------------------------------

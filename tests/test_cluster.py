@@ -29,8 +29,8 @@ from cona_cli.cluster.sbatch import sbatch_script
 from cona_cli.cluster.shared_storage import check_shared
 from cona_cli.cluster.slurm import SlurmError, allocation_hosts, expand_nodelist
 from cona_cli.config import ClusterConfig, ConfigError, config_from_dict, load_config
-from cona_cli.control.controller import GLIBC_MALLOC_ENV, allocator_env
 from cona_cli.control.failures import failed_host, parse_failure
+from cona_cli.control.jobs import GLIBC_MALLOC_ENV, allocator_env
 from tests.support import REPO, TINY, write_config
 
 

@@ -133,6 +133,22 @@ def test_worker_killed_while_saving_keeps_the_previous_checkpoint(tmp_path: Path
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000008", "step_000012"]
 
 
+def test_background_checkpoints_let_training_go_on_and_a_torn_one_is_never_used(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
+    """`train.checkpoint_async: true` on gloo: step 4's checkpoint is written while step 5 trains and is
+    committed after it; a rank dies inside the commit of step 8's, and the restart takes step 4's."""
+    doc = {**DOC, "train": {**DOC["train"], "checkpoint_async": True}}
+    proc = _train(tmp_path, env={"CONA_TEST_DIE_AT_STEP": "8:1:save"}, doc=doc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = check_recovered(tmp_path / "run", reference)
+    assert [e["step"] for e in events if e["kind"] == "launch"] == [0, 4]
+    first = next(e for e in events if e["kind"] == "checkpoint")
+    step_5 = next(r for r in _rows(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "step" and r["step"] == 5)
+    assert (first["step"], first["reason"]) == (4, "periodic") and first["time"] > step_5["time"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000008", "step_000012"]
+
+
 def test_controller_sigkill_then_resume(tmp_path: Path, reference: dict[int, float]) -> None:
     proc = _start_and_wait(tmp_path, 3)
     proc.kill()

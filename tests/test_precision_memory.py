@@ -18,6 +18,7 @@ from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.memory import ADAM_TEMP_BYTES, STATE_BYTES, compute_precision, memory_bytes
 from cona_cli.planner.workload import Workload
 from cona_cli.strategy import Strategy
+from launch.buckets import BUCKET_BYTES, IN_FLIGHT, buckets
 from launch.models import get_spec
 from launch.models.shape import ModelShape
 from launch.precision import resolve_precision
@@ -98,7 +99,8 @@ def test_fsdp_under_pp_keeps_the_stage_gathered_with_fp32_grads_per_dp_rank() ->
         assert dp2 - dp4 == pytest.approx(params * STATE_BYTES * (1 / 2 - 1 / 4))
         ddp_like = memory_bytes(as_array([Strategy(4, 1, 2, 1, 16)]), dataclasses.replace(w, dp_impl="ddp"))[0]
         gathered = params * (e + 4)  # compute-precision parameters + fp32 accumulated gradients, whole stage
-        activations = ddp_like - params * STATE_BYTES - (params * e if e == 2 else 0) - params * 4  # flat copy
+        buckets = min(params * 4, IN_FLIGHT * BUCKET_BYTES)  # the bucketed dp average's copies in flight
+        activations = ddp_like - params * STATE_BYTES - (params * e if e == 2 else 0) - buckets
         assert dp4 == pytest.approx(params * STATE_BYTES / 4 + gathered + activations)
 
 
@@ -142,3 +144,12 @@ def test_dropout_under_tp_is_refused_in_one_line() -> None:
         par.parallelize(model, _mesh(), Strategy(1, 2, 1, 1, 1), spec, device=torch.device("cpu"))
     assert "\n" not in str(e.value)
     par.refuse_tp_dropout(_tiny_model(dropout=0.0)[0])  # dropout 0 passes
+
+
+def test_gradient_buckets_keep_order_and_cap_and_the_planner_counts_the_ones_in_flight() -> None:
+    assert buckets([10, 10, 10, 25, 5], cap=20) == [[0, 1], [2], [3], [4]]  # one over the cap: its own
+    assert buckets([], cap=20) == []
+    shape = dataclasses.replace(SHAPE, seq_len=2048, vocab=256)
+    w = Workload(shape, precision="fp32")
+    ddp, tp = memory_bytes(as_array([Strategy(2, 1, 2, 1, 8), Strategy(1, 1, 2, 1, 8)]), w)
+    assert ddp - tp == pytest.approx(min(float(w.stage_params(np.array(1.0), np.array(2.0))) * 4, 2 * BUCKET_BYTES))

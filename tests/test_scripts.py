@@ -162,12 +162,25 @@ def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 def test_chaos_one_short_chain_run_survives_its_kills() -> None:
-    """Seed 0 draws two kills of a 20-step chain run (dp2, then pp2 from step 6, then dp2 at gbs 32): a
-    rank dies inside the switch checkpoint's save at step 6, and a rank is killed at a random moment."""
-    proc = run_script("chaos.py", "1", "--steps", "20", "--seed", "0", "--policy", "chain", timeout=400)
+    """Seed 0 draws two kills on the switch path of a 20-step chain run (dp2, then pp2 from step 6, then dp2
+    at gbs 32): a rank dies inside the switch checkpoint's save at step 6, and a standby's rank right after
+    it read its hand-over."""
+    proc = run_script(
+        "chaos.py",
+        "1",
+        "--steps",
+        "20",
+        "--seed",
+        "0",
+        "--policy",
+        "chain",
+        "--kills",
+        "switch-save,handover",
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert re.search(r"^run 1/1 \(chain, periodic on\): completed, kills: worker 1, switch-save 1;", out, re.M), out
+    assert re.search(r"^run 1/1 \(chain, periodic on\): completed, kills: switch-save 1, handover 1;", out, re.M), out
     assert "runs completed:          1/1" in out, out
     assert number(r"kills survived: +(\d+) \(", out) == 2
     assert number(r"launch failures recorded: (\d+)", out) == 2  # each kill failed its launch once, no more
@@ -196,6 +209,30 @@ def test_bench_switch_one_round(tmp_path: Path) -> None:
         ]
         assert len(switches) == 1 and switches[0]["standby"] == (cond == "standby"), switches
     assert number(r"running job slowed by the standby .*: ([\d.]+) x", out) > 0
+
+
+@pytest.mark.e2e
+def test_bench_checkpoint_one_round_of_two_ranks(tmp_path: Path) -> None:
+    """Both kinds of checkpoint of a 2-rank tiny run, the shipped interval's overhead, the 1.3B scale line."""
+    from cona_cli.config import load_config
+    from cona_cli.planner.workload import Workload
+
+    cfg = write_config(tmp_path / "tiny2.yaml", {**TINY, "cluster": {"procs_per_node": 2}})
+    strategy = "dp2-tp1-pp1-mbs2-gbs8"
+    proc = run_script("bench_checkpoint.py", "--config", str(cfg), "--strategy", strategy, "--rounds", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert number(r"checkpoint +([\d.]+) MB", out) > 0
+    sync, waits = number(r"synchronous save +([\d.]+) s", out), number(r"training waits +([\d.]+) s", out)
+    assert sync > 0 and waits > 0
+    # At the shipped 600 s a save of well under 12 s (2 % of 600) costs its share of 600 s.
+    assert number(r"synchronous +overhead +([\d.]+) % at the shipped interval \(600 s\)", out) == pytest.approx(
+        100 * sync / (600 + sync), abs=0.002
+    )
+    params = Workload.from_config(load_config(REPO / "configs" / "gpt3-1.3b-a6000.yaml")).shape.total_params
+    assert f"{12 * params / 1e9:.1f} GB per checkpoint, 2 nodes x 8 GPUs" in out, out
+    sync_13b = 12 * params / 2 / 2e9  # each node's half at 2 GB/s
+    assert number(r"synchronous +waits +([\d.]+) s per checkpoint", out) == pytest.approx(sync_13b, abs=0.01)
 
 
 @pytest.mark.e2e

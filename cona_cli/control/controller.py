@@ -3,22 +3,19 @@
 Data flows one way: config -> controller -> torchrun -> workers -> telemetry -> controller, and the
 run directory is the record (events.jsonl written here, metrics.jsonl by worker rank 0).
 
-A launch that fails (a rank killed, out of memory, an exception) is relaunched under the same
-strategy from the newest usable checkpoint, up to `train.max_restarts` times within
-`train.restart_window_s`. The controller's own state goes to controller_state.json whenever it
-changes, so `cona train --resume RUN_DIR` continues after the controller was stopped or killed.
+What happens after a launch fails, and where a restart or `--resume` continues, is `recovery.py`'s;
+starting a torchrun job is `jobs.py`'s; the pre-warmed next launch is `standby.py`'s. The controller's
+own state goes to controller_state.json whenever it changes, so `cona train --resume RUN_DIR`
+continues after the controller was stopped or killed.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,30 +23,20 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cona_cli.cluster.launchers import Agent, make_launcher
-from cona_cli.cluster.nodes import (
-    ClusterError,
-    head_address,
-    is_multi_node,
-    may_use_gpus,
-    rendezvous,
-    resolve_nodes,
-    torchrun_args,
-)
+from cona_cli.cluster.nodes import ClusterError, head_address, is_multi_node, may_use_gpus, resolve_nodes
 from cona_cli.cluster.shared_storage import check_shared
 from cona_cli.cluster.slurm import requeue
 from cona_cli.config import Config
 from cona_cli.control import usable_checkpoints as checkpoints
-from cona_cli.control.failures import REFUSED_EXIT, STORAGE_EXIT, Failure, failed_host, parse_failure
+from cona_cli.control.failures import parse_failure
+from cona_cli.control.jobs import EventLog, JobStarter, record_memory_estimate, worker_args
 from cona_cli.control.policies import Policy, Stage
-from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict, write_atomic
-from cona_cli.control.standby import Standby, standby_args
+from cona_cli.control.recovery import LaunchResult, NoUsableCheckpoint, Recovery, Stop
+from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict
+from cona_cli.control.standby import StandbyPool
 from cona_cli.control.telemetry_server import TelemetryServer
 from cona_cli.control.tensorboard_log import TensorBoardLog
-from cona_cli.planner.costmodel import as_array
-from cona_cli.planner.hardware import load_hardware
-from cona_cli.planner.memory import memory_bytes
-from cona_cli.planner.workload import Workload
-from cona_cli.rundir import RunDir, read_trainer_state
+from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy, resizable
 
 INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGKILL
@@ -57,75 +44,6 @@ NODE_FAILURE_GRACE_S = 20.0  # for the other nodes to stop after one node failed
 KILL_WAIT_S = 10.0  # after SIGKILL, before the local end (an ssh client) is abandoned
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGUSR1: 138}
 Prev = tuple[Strategy, dict[str, Any]]  # strategy and outcome of the last launch that ended normally
-
-
-class NoUsableCheckpoint(RuntimeError):
-    """Checkpoints exist but none of them can be used; the message is one line."""
-
-
-@dataclass
-class LaunchResult:
-    returncode: int
-    outcome: dict[str, Any] | None  # what the workers wrote to launches/NNN.json
-    failed: Agent | None  # the node agent whose failure came first (not one that only lost a peer)
-    failure: Failure | None  # what its output says
-    log_path: Path  # that agent's output (else the first node's)
-
-
-class EventLog:
-    """Append-only events.jsonl; `on_write` also gets every event (TensorBoard)."""
-
-    def __init__(self, path: Path, run_start: float, on_write: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.path, self.run_start, self.on_write = path, run_start, on_write
-
-    def write(self, kind: str, **fields: Any) -> dict[str, Any]:
-        now = time.time()
-        event = {"kind": kind, "time": round(now - self.run_start, 4), "wall_clock": round(now, 3), **fields}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(event) + "\n")
-        if self.on_write is not None:
-            self.on_write(event)
-        return event
-
-
-def worker_args(run_dir: Path, stage: Stage, launch: int, resume: Path | None) -> list[str]:
-    """What torchrun runs on every rank."""
-    args = [
-        "-m",
-        "launch.worker",
-        "--run-dir",
-        str(run_dir.absolute()),
-        "--strategy",
-        str(stage.strategy),
-        "--launch",
-        str(launch),
-    ]
-    if resume is not None:
-        args += ["--resume", str(resume.absolute())]
-    if stage.stop_step is not None:
-        args += ["--stop-step", str(stage.stop_step)]
-    return args
-
-
-def threads_per_proc(cfg: Config) -> int:
-    """Intra-op threads per rank: the node's cores shared by its ranks (`local` nodes share one machine)."""
-    c = cfg.cluster
-    procs_here = c.procs_per_node * (c.nodes if c.launcher == "local" else 1)
-    return c.threads_per_proc or max(1, (os.cpu_count() or 1) // procs_here)
-
-
-# glibc hands every block above 32 MB back to the OS when it is freed (mmap), so each step faults in
-# fresh pages for its logits and their gradients again. Keeping freed memory in the heap made
-# large-batch steps on this box 20-30 % faster (gbs 32 at seq 128: 0.53 -> 0.43 s/it; README, Engine
-# notes). The same two variables set by the user, in the environment or the config, win.
-GLIBC_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
-
-
-def allocator_env(cfg: Config) -> dict[str, str]:
-    """The malloc settings the workers get unless the user chose their own."""
-    c = cfg.cluster
-    given = {*os.environ, *c.env, *(k for h in c.hosts for k in h.env)}
-    return {k: v for k, v in GLIBC_MALLOC_ENV.items() if k not in given}
 
 
 class Controller:
@@ -160,13 +78,26 @@ class Controller:
                 "machine's address on the cluster network"
             ) from None
         policy.events = self.events
+        self.jobs = JobStarter(
+            cfg,
+            self.files,
+            self.nodes,
+            self.launcher,
+            self.telemetry,
+            self.run_start,
+            self.console,
+            verbose,
+            self.multi_node,
+        )
+        self.recovery = Recovery(
+            cfg, self.files, policy, self.events, self.console, self.state, self.run_start, self.multi_node
+        )
+        self.standbys = StandbyPool(cfg, self.files, policy, self.events, self.state, self.jobs.start)
         self.signal_received: int | None = None
         self.launch = self.state.launch
         self.last_metric: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
-        self._shapes: checkpoints.Shapes | None = None
         self._dirty = False  # the last drain changed something worth saving
-        self.standby: Standby | None = None  # the pre-warmed next launch, if one runs
         self._exiting: list[tuple[Agent, threading.Thread]] = []  # a switched-from job still shutting down
         self._switch: dict[str, float | bool] = {}  # run times of the running switch's phases, standby flags
         self.stage: Stage | None = None  # what the running launch runs (an in-place resize changes it)
@@ -190,7 +121,7 @@ class Controller:
             self.console.print(f"[red]cona: {e}[/red]")
             return self._exit(1, "failed", self.last_metric.get("step", 0))
         finally:
-            self._drop_standby()
+            self.standbys.drop()
             self._reap_exiting()
             self.telemetry.close()
             if self.tensorboard is not None:
@@ -204,11 +135,8 @@ class Controller:
         if self.state.prev is not None:
             prev = (Strategy.parse(self.state.prev["strategy"]), self.state.prev["outcome"])
         if self.resumed:
-            ckpt = self.newest_checkpoint()
-            step = checkpoints.checkpoint_step(ckpt) if ckpt else 0
-            self.events.write("resume", step=step, checkpoint=str(ckpt) if ckpt else None, launch=self.launch)
-            running = stage_from_dict(self.state.stage) or self.policy.first()
-            stage, launch_reason = self._batch_at(ckpt, self.policy.restart(step, running)), "resume"
+            point = self.recovery.resume(stage_from_dict(self.state.stage), self.launch)
+            ckpt, stage, launch_reason = point.checkpoint, point.stage, point.reason
         else:
             self.events.write("start", config=self.cfg.source, policy=self.policy.name, world=self.cfg.cluster.world)
             stage = self.policy.first()
@@ -221,24 +149,14 @@ class Controller:
             if self.signal_received is not None:
                 return self._interrupted(outcome)
             if result.returncode != 0 or outcome is None:
-                failure = self._record_failure(result, ckpt)
-                if failure.refusal is not None:  # deterministic: relaunching would only fail again
-                    return self._exit(REFUSED_EXIT, "refused", self.last_metric.get("step", 0))
-                if failure.storage is not None:  # relaunching fails at the next save; --resume once there is room
-                    return self._exit(STORAGE_EXIT, "failed", self.last_metric.get("step", 0))
-                if failure.out_of_memory:
-                    stage = self._out_of_memory(Strategy.parse(failure.strategy or str(stage.strategy)), failure)
-                    if stage is None:
-                        return self._exit(1, "out_of_memory", self.last_metric.get("step", 0))
-                elif not self._may_restart():
-                    return self._exit(1, "failed", self.last_metric.get("step", 0))
+                self._switch = {}
+                assert stage is not None
+                then = self.recovery.after_failure(result, ckpt, stage, self.launch)
+                if isinstance(then, Stop):
+                    return self._exit(then.code, then.reason, self.last_metric.get("step", 0))
                 if self.last_metric.get("launch") == self.launch:
                     prev = None  # the switch into this strategy is already recorded
-                ckpt = self.newest_checkpoint()
-                stage = self.policy.restart(checkpoints.checkpoint_step(ckpt) if ckpt else 0, stage)
-                if not failure.out_of_memory:  # (after out of memory: the strategy the policy chose instead)
-                    stage = self._batch_at(ckpt, stage)
-                launch_reason = "out_of_memory" if failure.out_of_memory else "restart"
+                ckpt, stage, launch_reason = then.checkpoint, then.stage, then.reason
                 continue
             ckpt, launch_reason = Path(outcome["checkpoint"]), None
             reason = outcome["reason"]
@@ -257,119 +175,6 @@ class Controller:
         self._save_state(None, prev)
         return self._exit(0, "done", prev[1]["step"] if prev else 0)
 
-    # -- recovery ----------------------------------------------------------------------------
-
-    def _batch_at(self, ckpt: Path | None, stage: Stage | None) -> Stage | None:
-        """The stage a restart from `ckpt` runs: the batch in force when `ckpt` was taken (its saved strategy),
-        where an in-place resize since changed only the batch; the policy resizes again if it still wants
-        to. The policy is told, as after a launch that ended on its request."""
-        if ckpt is None or stage is None or not self.policy.in_place:
-            return stage
-        try:
-            saved = Strategy.from_mapping(read_trainer_state(ckpt)["strategy"])
-        except (ValueError, KeyError, TypeError):  # a checkpoint from before saved strategies: as it was
-            return stage
-        if saved == stage.strategy or not resizable(stage.strategy, saved):
-            return stage
-        taken = Stage(saved, stage.stop_step, stage.reason)
-        self.policy.after_launch({"step": checkpoints.checkpoint_step(ckpt)}, taken)
-        return taken
-
-    def newest_checkpoint(self) -> Path | None:
-        """The newest usable checkpoint (unusable ones are quarantined with a warning); None if none
-        was ever committed. Raises NoUsableCheckpoint if there are some but none is usable."""
-        if self._shapes is None:
-            self._shapes = checkpoints.expected_shapes(self.cfg, self.files)
-        root = self.files.checkpoints
-        path, skipped = checkpoints.newest_usable(root, self._shapes, self._warn)
-        if path is None and skipped:
-            raise NoUsableCheckpoint(f"no usable checkpoint in {root} ({skipped} unusable, moved to bad-*)")
-        return path
-
-    def _warn(self, message: str) -> None:
-        self.events.write("warning", message=message)
-        self.console.print(f"[yellow]cona: {message}[/yellow]")
-
-    def _record_failure(self, result: LaunchResult, ckpt: Path | None) -> Failure:
-        """Record a failed launch (and quarantine a checkpoint it could not load); what its output says."""
-        self._switch = {}
-        log_path = result.log_path
-        text = log_path.read_text(errors="replace") if log_path.is_file() else ""
-        failure = result.failure or parse_failure(text, result.returncode)
-        host = failed_host(result.failed, text) if result.failed is not None else None
-        self.events.write(
-            "failure",
-            launch=self.launch,
-            exit_code=result.returncode,
-            rank=failure.rank,
-            rank_exit_code=failure.rank_exit_code,
-            exit_codes=failure.exit_codes,
-            bad_checkpoint=failure.bad_checkpoint,
-            out_of_memory=failure.out_of_memory,
-            last_lines=failure.last_lines,
-            **({"host": host} if self.multi_node else {}),
-        )
-        where = f"node {host}: " if self.multi_node and host else ""
-        if failure.refusal is not None:  # the worker's one line says it all
-            self.console.print(f"cona: {where}{failure.refusal}", style="red", markup=False, highlight=False)
-            return failure
-        if failure.storage is not None:  # so does a checkpoint that could not be written
-            self.console.print(f"cona: {where}{failure.storage}", style="red", markup=False, highlight=False)
-            return failure
-        self.console.print("\n".join(failure.last_lines), markup=False, highlight=False)
-        self.console.print(f"[red]cona: launch {self.launch} failed: {where}{failure.describe()}; see {log_path}[/red]")
-        if failure.bad_checkpoint and ckpt is not None and ckpt.is_dir():
-            moved = checkpoints.quarantine(ckpt)
-            self._warn(f"checkpoint {ckpt} could not be loaded; skipped (moved to {moved.name})")
-        return failure
-
-    def _may_restart(self) -> bool:
-        """Count a failed launch; whether the restart budget allows another launch."""
-        now = time.time() - self.run_start
-        t = self.cfg.train
-        self.state.failures = [f for f in self.state.failures if now - f <= t.restart_window_s] + [now]
-        if len(self.state.failures) > t.max_restarts:
-            self.console.print(
-                f"[red]cona: giving up: {len(self.state.failures)} failed launches within "
-                f"{t.restart_window_s:g} s (train.max_restarts = {t.max_restarts})[/red]"
-            )
-            return False
-        return True
-
-    def _out_of_memory(self, strategy: Strategy, failure: Failure) -> Stage | None:
-        """A strategy ran out of memory: infeasible for the rest of the run. The policy's next stage, or
-        None (the run stops) when it has no other strategy."""
-        estimate = self.files.memory_estimates().get(str(strategy))
-        peak = failure.peak_bytes
-        self.events.write(
-            "infeasible",
-            strategy=strategy.to_dict(),
-            reason="out_of_memory",
-            rank=failure.rank,
-            peak_bytes=peak,
-            estimate_bytes=estimate,
-        )
-        stage = self.policy.infeasible(strategy)
-        measured = f"measured peak {peak / 2**30:.2f} GiB" if peak is not None else "peak not reported"
-        planned = f", planner estimate {estimate / 2**30:.2f} GiB" if estimate is not None else ""
-        what = f"strategy {strategy} ran out of memory on rank {failure.rank} ({measured}{planned})"
-        if stage is None:
-            self.console.print(f"[red]cona: {what}: it does not fit here; stopping (policy {self.policy.name})[/red]")
-        else:
-            self.console.print(f"[yellow]cona: {what}: marked infeasible; continuing with {stage.strategy}[/yellow]")
-        return stage
-
-    def _record_memory_estimate(self, strategy: Strategy) -> None:
-        """The planner's peak-memory estimate of `strategy` for the workers' step rows (and OOM reports)."""
-        estimates = self.files.memory_estimates()
-        if str(strategy) in estimates:
-            return
-        vocab = self.files.vocab_size() if self.files.corpus.is_file() else None
-        workload = Workload.from_config(self.cfg, vocab=vocab)
-        hw = load_hardware(self.cfg.search.hardware)  # resolves search.precision: auto
-        estimates[str(strategy)] = float(memory_bytes(as_array([strategy]), workload, hw)[0])
-        write_atomic(self.files.memory_estimate_file, json.dumps(estimates))
-
     def _save_state(self, stage: Stage | None, prev: Prev | None) -> None:
         st = self.state
         st.stage, st.launch, st.elapsed_s = stage_to_dict(stage), self.launch, time.time() - self.run_start
@@ -385,11 +190,11 @@ class Controller:
         self.launch += 1
         self.stage, self._resizing = stage, None
         step = checkpoints.checkpoint_step(resume) if resume else 0
-        self._record_memory_estimate(stage.strategy)
+        record_memory_estimate(self.cfg, self.files, stage.strategy)
         outcome_path = self.files.launch_outcome(self.launch)
         outcome_path.unlink(missing_ok=True)  # a leftover of a launch the controller never saw
-        standby = self.standby
-        warm = standby is not None and standby.launch == self.launch and standby.alive()
+        standby = self.standbys.warm_for(self.launch)
+        warm = standby is not None
         self.events.write(
             "launch",
             launch=self.launch,
@@ -400,14 +205,11 @@ class Controller:
             standby=warm,
         )
         self.policy.standby_ready = False
-        if warm:
-            standby.hand_over(self.files, stage, resume)
-            self.standby = None
-            self.state.standby_pids = []
-            agents, pumps = standby.agents, standby.pumps
+        if standby is not None:
+            agents, pumps = self.standbys.hand_over(stage, resume).agents, standby.pumps
         else:
-            self._drop_standby()
-            agents, pumps = self._start(self.launch, worker_args(self.run_dir, stage, self.launch, resume))
+            self.standbys.drop()
+            agents, pumps = self.jobs.start(self.launch, worker_args(self.run_dir, stage, self.launch, resume))
         self._switch.update(
             handover=time.time() - self.run_start, standby=warm, standby_ready=warm and standby.ready_logged
         )
@@ -433,33 +235,8 @@ class Controller:
         agent, path, failure = next((r for r in parsed if not r[2].knock_on), parsed[0])
         return LaunchResult(failure.exit_code, outcome, agent, failure, path), requested
 
-    def _start(self, launch: int, tail: list[str]) -> tuple[list[Agent], list[threading.Thread]]:
-        """Start torchrun on every node (its own rendezvous) running `tail`; its output pumped to the
-        launch's logs."""
-        c = self.cfg.cluster
-        rdzv = rendezvous(c, self.nodes, f"cona-{self.telemetry.token[:8]}-{launch}") if self.multi_node else None
-        env = {
-            **allocator_env(self.cfg),
-            **self.telemetry.env(),
-            "CONA_RUN_START": repr(self.run_start),
-            "OMP_NUM_THREADS": str(threads_per_proc(self.cfg)),
-            "PYTHONUNBUFFERED": "1",
-        }
-        if c.launcher == "local":
-            env["CONA_CONTROLLER_PID"] = str(os.getpid())  # a standby leaves when the controller is gone
-        agents = self.launcher.start(self.nodes, lambda node: torchrun_args(c, node, rdzv) + tail, env)
-        per_node = len(agents) > 1  # one log per node, lines shown prefixed by the node
-        pumps = [
-            threading.Thread(
-                target=self._pump,
-                args=(a, self.files.launch_log(launch, a.label if per_node else None), per_node),
-                daemon=True,
-            )
-            for a in agents
-        ]
-        for pump in pumps:
-            pump.start()
-        return agents, pumps
+    def _log_path(self, agent: Agent, per_node: bool) -> Path:
+        return self.files.launch_log(self.launch, agent.label if per_node else None)
 
     def _relaunch_expected(self) -> Strategy | None:
         """The strategy the next switch most likely goes to, unless the running job can resize into it."""
@@ -470,32 +247,6 @@ class Controller:
 
     def _resizes_into(self, strategy: Strategy) -> bool:
         return self.policy.in_place and self.stage is not None and resizable(self.stage.strategy, strategy)
-
-    def _maybe_start_standby(self) -> None:
-        """Once a launch is stepping, pre-warm the next one if a switch may come. With CPU ranks and a
-        policy that resizes in place, only once the switch it expects next needs a new layout: there a
-        standby's start takes cores from the job."""
-        if self.standby is not None or not self.cfg.cluster.standby or not self.policy.may_switch():
-            return
-        if self.policy.in_place and not may_use_gpus(self.cfg.cluster) and self._relaunch_expected() is None:
-            return
-        launch = self.launch + 1
-        self.files.launches.mkdir(exist_ok=True)
-        self.files.handover(launch).unlink(missing_ok=True)
-        self.files.standby_ready(launch).unlink(missing_ok=True)
-        agents, pumps = self._start(launch, standby_args(self.run_dir, launch))
-        self.standby = Standby(launch, agents, pumps)
-        self.state.standby_pids = [a.pid for a in agents]
-        self.policy.standby_importing = True
-        self.events.write("standby", launch=launch)
-
-    def _maybe_prepare(self, strategy: Strategy | None) -> None:
-        """Tell the standby which strategy to build while it waits (once; CPU ranks only act on it)."""
-        sb = self.standby
-        if strategy is None or sb is None or sb.prepared is not None or not sb.alive():
-            return
-        sb.prepare(self.files, strategy)
-        self.events.write("standby_prepare", launch=sb.launch, strategy=strategy.to_dict())
 
     def _switch_phases(self, first_step: dict[str, Any], outcome: dict[str, Any]) -> dict[str, Any]:
         """Where a switch's time went, from the decision (or the stage's last step) to the end of the
@@ -530,12 +281,6 @@ class Controller:
             return False
         return reason == "stage_end" or (reason == "command" and requested is not None)
 
-    def _drop_standby(self) -> None:
-        if self.standby is not None:
-            self.standby.cancel(self.files)
-            self.standby = None
-            self.state.standby_pids = []
-
     def _reap_exiting(self) -> None:
         """Wait for switched-from jobs that were still shutting down (killed after a grace period)."""
         deadline = time.monotonic() + KILL_WAIT_S
@@ -546,19 +291,6 @@ class Controller:
                 agent.signal(signal.SIGKILL)
             pump.join(timeout=5)
         self._exiting = []
-
-    def _log_path(self, agent: Agent, per_node: bool) -> Path:
-        return self.files.launch_log(self.launch, agent.label if per_node else None)
-
-    def _pump(self, agent: Agent, log_path: Path, prefixed: bool) -> None:
-        log_path.parent.mkdir(exist_ok=True)
-        with open(log_path, "w") as log:
-            for line in agent.proc.stdout:
-                log.write(line)
-                log.flush()
-                if self.verbose:
-                    text = f"[{agent.label}] {line.rstrip()}" if prefixed else line.rstrip()
-                    self.console.print(text, markup=False, highlight=False)
 
     def _follow(
         self, agents: list[Agent], prev: Prev | None, progress: Progress, outcome_path: Path
@@ -578,12 +310,7 @@ class Controller:
                 return requested, failed, False
             if not failed and self._switch_committed(outcome_path, requested):
                 return requested, failed, True
-            if self.standby is not None and self.standby.newly_ready(self.files):
-                self.events.write("standby_ready", launch=self.standby.launch)
-                self.policy.standby_ready = True
-            self.policy.standby_importing = (
-                self.standby is not None and not self.standby.ready_logged and self.standby.alive()
-            )
+            self.standbys.poll()
             switch_to = self._drain(prev, progress, wait=0.2)
             if self._dirty:
                 self._save_state(self.stage, prev)
@@ -591,7 +318,7 @@ class Controller:
                 self._switch = {"decision": time.time() - self.run_start}
                 if not (self._resizes_into(switch_to.strategy) and self._resize(switch_to)):
                     requested = switch_to
-            self._maybe_prepare(requested.strategy if requested is not None else self._relaunch_expected())
+            self.standbys.maybe_prepare(requested.strategy if requested is not None else self._relaunch_expected())
             wants_stop = requested is not None or self.signal_received is not None or failed
             if wants_stop and stop_sent_at is None:
                 # For a switch the workers skip the evaluation that ends a run.
@@ -612,7 +339,7 @@ class Controller:
 
     def _resize(self, stage: Stage) -> bool:
         """Ask the running job to take `stage`'s batch from its next step; False if it cannot be told."""
-        self._record_memory_estimate(stage.strategy)
+        record_memory_estimate(self.cfg, self.files, stage.strategy)
         if not self.telemetry.send({"cmd": "resize", "strategy": str(stage.strategy)}):
             return False
         self._resizing = stage
@@ -696,7 +423,7 @@ class Controller:
                 )
                 self.policy.observe_switch(seconds, warm=phases["standby_ready"])
             if msg.get("launch") == self.launch:
-                self._maybe_start_standby()
+                self.standbys.maybe_start(self.launch + 1, self._relaunch_expected())
             self._show(progress, stage)
             return self.policy.on_metric(msg)
         return None

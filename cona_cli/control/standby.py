@@ -15,12 +15,16 @@ from __future__ import annotations
 import json
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cona_cli.cluster.launchers import Agent
-from cona_cli.control.policies import Stage
-from cona_cli.control.runstate import write_atomic
+from cona_cli.cluster.nodes import may_use_gpus
+from cona_cli.config import Config
+from cona_cli.control.jobs import EventLog
+from cona_cli.control.policies import Policy, Stage
+from cona_cli.control.runstate import RunState, write_atomic
 from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy
 
@@ -80,3 +84,74 @@ class Standby:
             pump.join(timeout=5)
         for path in (run.handover(self.launch), run.standby_ready(self.launch), run.prepare(self.launch)):
             path.unlink(missing_ok=True)
+
+
+StartJob = Callable[[int, list[str]], tuple[list[Agent], list[threading.Thread]]]
+
+
+class StandbyPool:
+    """The controller's one pre-warmed standby: when to start it, what it prepares, who takes it over."""
+
+    def __init__(
+        self, cfg: Config, files: RunDir, policy: Policy, events: EventLog, state: RunState, start: StartJob
+    ) -> None:
+        self.cfg, self.files, self.policy, self.events, self.state, self.start = (
+            cfg,
+            files,
+            policy,
+            events,
+            state,
+            start,
+        )
+        self.standby: Standby | None = None
+
+    def maybe_start(self, launch: int, relaunch_expected: Strategy | None) -> None:
+        """Once launch `launch - 1` is stepping, pre-warm launch `launch` if a switch may come. With CPU
+        ranks and a policy that resizes in place, only once the switch it expects next needs a new layout
+        (`relaunch_expected`): there a standby's start takes cores from the job."""
+        if self.standby is not None or not self.cfg.cluster.standby or not self.policy.may_switch():
+            return
+        if self.policy.in_place and not may_use_gpus(self.cfg.cluster) and relaunch_expected is None:
+            return
+        self.files.launches.mkdir(exist_ok=True)
+        self.files.handover(launch).unlink(missing_ok=True)
+        self.files.standby_ready(launch).unlink(missing_ok=True)
+        agents, pumps = self.start(launch, standby_args(self.files.path, launch))
+        self.standby = Standby(launch, agents, pumps)
+        self.state.standby_pids = [a.pid for a in agents]
+        self.policy.standby_importing = True
+        self.events.write("standby", launch=launch)
+
+    def maybe_prepare(self, strategy: Strategy | None) -> None:
+        """Tell the standby which strategy to build while it waits (once; CPU ranks only act on it)."""
+        sb = self.standby
+        if strategy is None or sb is None or sb.prepared is not None or not sb.alive():
+            return
+        sb.prepare(self.files, strategy)
+        self.events.write("standby_prepare", launch=sb.launch, strategy=strategy.to_dict())
+
+    def poll(self) -> None:
+        """Tell the policy whether the standby is still importing, and once when it is ready."""
+        sb = self.standby
+        if sb is not None and sb.newly_ready(self.files):
+            self.events.write("standby_ready", launch=sb.launch)
+            self.policy.standby_ready = True
+        self.policy.standby_importing = sb is not None and not sb.ready_logged and sb.alive()
+
+    def warm_for(self, launch: int) -> Standby | None:
+        """The live standby that was started to become launch `launch`, if there is one."""
+        sb = self.standby
+        return sb if sb is not None and sb.launch == launch and sb.alive() else None
+
+    def hand_over(self, stage: Stage, resume: Path | None) -> Standby:
+        """Give the standby its launch; it leaves the pool."""
+        sb = self.standby
+        assert sb is not None
+        sb.hand_over(self.files, stage, resume)
+        self.standby, self.state.standby_pids = None, []
+        return sb
+
+    def drop(self) -> None:
+        if self.standby is not None:
+            self.standby.cancel(self.files)
+            self.standby, self.state.standby_pids = None, []

@@ -124,7 +124,7 @@ def iteration_time(x: np.ndarray, w: Workload, hw: HardwareProfile) -> np.ndarra
     else:
         dp_comm = ring_allreduce_s(dp, grad_bytes, dp_bw, dp_lat)
         # DDP hides its bucketed all-reduce behind the last micro-batch's backward; under TP or PP the
-        # engine averages in one flat all-reduce after the backward passes, with nothing to hide behind.
+        # engine averages in buckets after the backward passes, with nothing to hide behind.
         hideable = np.where((tp > 1) | (pp > 1), 0.0, (passes - 1) / passes * stage)
         optimizer_params = local_params
     exposed = dp_comm - np.minimum(hw.overlap * dp_comm, hideable)

@@ -10,6 +10,7 @@ import numpy as np
 
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.workload import Workload
+from launch.buckets import BUCKET_BYTES, IN_FLIGHT
 from launch.models.shape import ModelShape
 
 STATE_BYTES = 16  # per parameter: fp32 weight, fp32 gradient, fp32 AdamW moments m and v
@@ -47,10 +48,11 @@ def memory_bytes(x: np.ndarray, w: Workload, hw: HardwareProfile | None = None) 
     reshard-after-backward and gradient sync off until the last micro-batch): its compute-precision
     parameters and their unsharded fp32 accumulated gradients, not divided by dp. Under bf16 without
     FSDP, autocast's compute-precision copies of the weights. DDP's gradients are views into its buckets
-    (gradient_as_bucket_view), no second copy. When dp > 1 and the gradients are averaged by one flat
-    all-reduce (DDP under TP or PP), that flat fp32 copy. The optimizer step (activations freed by then)
-    adds foreach AdamW's full fp32 temporary over the local parameters. Activations: what each layer saves
-    (`layer_activation_bytes`); with recomputation only each layer's input plus one layer's working set.
+    (gradient_as_bucket_view), no second copy. When dp > 1 and the gradients are averaged in buckets
+    (DDP does not wrap TP or PP), the copies of the buckets in flight (`launch.buckets`). The optimizer
+    step (activations freed by then) adds foreach AdamW's full fp32 temporary over the local parameters.
+    Activations: what each layer saves (`layer_activation_bytes`); with recomputation only each layer's
+    input plus one layer's working set.
     1F1B keeps up to pp micro-batches in flight on stage 0, GPipe all m. The last stage holds the logits
     gathered whole on every TP rank, their fp32 copy and gradient, for one micro-batch.
     """
@@ -70,8 +72,8 @@ def memory_bytes(x: np.ndarray, w: Workload, hw: HardwareProfile | None = None) 
         optimizer_params = params
         if e != 4:
             states = states + params * e  # autocast's casts of the weights
-        flat = (dp > 1) & ((tp > 1) | (pp > 1))
-        states = states + np.where(flat, params * GRAD_BYTES, 0.0)
+        bucketed = (dp > 1) & ((tp > 1) | (pp > 1))  # averaged in buckets, not by DDP (launch.buckets)
+        states = states + np.where(bucketed, np.minimum(params * GRAD_BYTES, IN_FLIGHT * BUCKET_BYTES), 0.0)
     full_layer = layer_activation_bytes(shape, mbs, tp, e)
     layers = shape.n_layers / pp
     layer_input = mbs * shape.seq_len * shape.d_model * e
