@@ -172,15 +172,28 @@ def checkpoint_loads(path: Path, shapes: checkpoints.Shapes, cfg_doc: dict, voca
 
 
 def continuous(step_rows: list[dict], steps: int) -> bool:
-    """Steps 1..steps, each step's consumed samples those before it plus its batch (reruns of a step
-    after a recovery included)."""
+    """The rows that stand (each step's last) cover steps 1..steps, each continuing the one before it
+    (consumed samples those before plus its batch); within a launch every row continues the one before,
+    and a launch's first row continues a row of the step before it (the checkpoint it restored) or the
+    start. A launch abandoned by a recovery may have run on past that checkpoint under other batches."""
     final = {r["step"]: r for r in step_rows}
     if sorted(final) != list(range(1, steps + 1)):
         return False
-    before = {1: 0}
-    for step in range(1, steps):
-        before[step + 1] = final[step]["consumed_samples"]
-    return all(r["consumed_samples"] == before[r["step"]] + r["gbs"] for r in step_rows)
+    consumed = [0] + [final[step]["consumed_samples"] for step in range(1, steps + 1)]
+    if any(final[step]["consumed_samples"] != consumed[step - 1] + final[step]["gbs"] for step in final):
+        return False
+    seen: dict[int, set[int]] = {0: {0}}
+    last: dict[int, dict] = {}
+    for r in step_rows:
+        prev = last.get(r["launch"])
+        if prev is not None and r["step"] != prev["step"] + 1:
+            return False
+        allowed = {prev["consumed_samples"]} if prev is not None else seen.get(r["step"] - 1, set())
+        if r["consumed_samples"] - r["gbs"] not in allowed:
+            return False
+        seen.setdefault(r["step"], set()).add(r["consumed_samples"])
+        last[r["launch"]] = r
+    return True
 
 
 def wait_for(proc: subprocess.Popen, ready: Callable[[], object], timeout: float = 120.0) -> object:
