@@ -24,4 +24,3 @@ def buckets(nbytes: list[int], cap: int = BUCKET_BYTES) -> list[list[int]]:
         groups[-1].append(i)
         size += n
     return groups
-
