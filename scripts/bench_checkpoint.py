@@ -115,6 +115,7 @@ def main() -> None:
     if args.rounds < 1 or args.every <= 0 or args.storage_gbs <= 0 or args.copy_gbs <= 0:
         ap.error("--rounds must be >= 1 and --every, --storage-gbs, --copy-gbs > 0")
     from cona_cli.config import TrainConfig
+    from cona_cli.control.jobs import threads_per_proc
     from cona_cli.control.run_setup import make_policy, prepare_run_dir, resolve_config
 
     cfg, _ = make_policy(resolve_config(args.config, args.strategy, None, None, args.data))
@@ -123,8 +124,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         prepare_run_dir(run_dir, args.config, cfg)
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cfg.cluster.world))}
-        env["PYTHONPATH"] = str(REPO)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_proc(cfg)), "PYTHONPATH": str(REPO)}
         proc = subprocess.run(
             [
                 sys.executable,
