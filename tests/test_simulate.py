@@ -16,6 +16,7 @@ from cona_cli.config import config_from_dict
 from cona_cli.control.cona_policy import ConaPolicy
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.simulate.law import KaplanDynamics, KaplanLaw
+from cona_cli.simulate.replay import NotReplayable, Replay, replay
 from cona_cli.simulate.world import Curve, Simulation, WorldSpec
 from cona_cli.strategy import resizable
 from tests.support import REPO, TINY, RecordedEvents, write_config
@@ -230,3 +231,23 @@ def test_cona_probes_a_resizable_rung_the_model_mispredicts_once(
         assert after == [] or after[0][0] - first[0] > 10 * plain.true_time[sixteen]  # kept beyond the dwell
     else:
         assert after[0][2].gbs == 8 and after[0][0] - first[0] < 30 * plain.true_time[sixteen]  # left at once
+
+
+def test_a_replay_finds_the_first_decision_that_differs() -> None:
+    same = {"step": 10, "switch": False, "candidate": {"gbs": 16}, "ratio": 1.02, "ratio_low": 0.9, "time": 3.0}
+    moved = {**same, "step": 15}
+    assert Replay([same, moved], [{**same, "time": 9.0}, moved]).first_difference is None  # run time is not compared
+    assert Replay([same, moved], [same, {**moved, "ratio_low": 1.01}]).first_difference == 1
+    assert Replay([same, moved], [same]).first_difference == 1
+
+
+def test_replay_refuses_what_one_uninterrupted_cona_run_did_not_record(tmp_path: Path) -> None:
+    with pytest.raises(NotReplayable, match="not a run directory"):
+        replay(tmp_path)
+    (tmp_path / "config.resolved.json").write_text(json.dumps({**TINY, "policy": "static"}))
+    with pytest.raises(NotReplayable, match="policy static"):
+        replay(tmp_path)
+    (tmp_path / "config.resolved.json").write_text(json.dumps({**_tiny_doc(64), "policy": "cona"}))
+    (tmp_path / "events.jsonl").write_text(json.dumps({"kind": "resume", "step": 4, "time": 1.0}) + "\n")
+    with pytest.raises(NotReplayable, match="resumed or restarted"):
+        replay(tmp_path)

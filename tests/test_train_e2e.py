@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cona_cli.simulate.replay import replay
 from tests.support import REPO, TINY, write_config
 
 pytestmark = pytest.mark.e2e
@@ -146,6 +147,9 @@ def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
     assert all(r.get("gns") is None or r["gns"] > 0 for r in steps)
     # The estimator is held while Adam's second moment is young (1 / (1 - beta2) = 20 steps), then measures.
     assert all("gns" not in r for r in steps[:20]) and any(r.get("gns") for r in steps[20:])
+    # The policy class, fed this run's rows and switches as the simulator feeds it, decides the same.
+    replayed = replay(run)
+    assert len(replayed.recorded) >= 5 and replayed.first_difference is None, replayed
 
 
 def test_online_policy_resizes_in_place_without_a_relaunch_or_standby(tmp_path: Path) -> None:
@@ -178,6 +182,8 @@ def test_online_policy_resizes_in_place_without_a_relaunch_or_standby(tmp_path: 
     assert steps[-1]["consumed_samples"] == sum(r["gbs"] for r in steps)
     final = json.loads((run / "launches" / "001.json").read_text())
     assert final["reason"] == "max_steps" and final["consumed_samples"] == steps[-1]["consumed_samples"]
+    replayed = replay(run)
+    assert len(replayed.recorded) >= 5 and replayed.first_difference is None, replayed
 
 
 def _train_cona(tmp_path: Path, train: dict, search: dict) -> Path:

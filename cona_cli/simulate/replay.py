@@ -1,0 +1,107 @@
+"""Replay a recorded `policy: cona` run through the policy class: feed a fresh `ConaPolicy` the run's
+own rows and switches as the controller fed them, and compare its decisions with the recorded ones.
+
+This is the check that the simulator drives the policy as `cona train` does (the same rows, the same
+calls, the background search waited for after every row), and the tool for asking what the current
+decision rule makes of a run recorded under an older one: the replay is exact up to the first decision
+that differs, after which the recorded rows no longer follow from the replayed decisions.
+
+What the controller told the policy is read from `events.jsonl`: in-place resizes (`resized` at the
+first step under the new batch), relaunches (`observe_switch` and `after_launch` at the first step of
+the next launch) and standbys (`standby_importing` from a standby's start to its `standby_ready`,
+`standby_ready` until the next switch), ordered against the step rows by their run time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cona_cli.config import config_from_dict
+from cona_cli.control.cona_policy import ConaPolicy
+from cona_cli.control.policies import Stage
+from cona_cli.planner.hardware import load_hardware
+from cona_cli.rundir import RunDir, read_jsonl
+from cona_cli.strategy import Strategy
+
+COMPARED = ("step", "switch", "candidate", "ratio", "ratio_low")  # what a decision is compared on
+
+
+class NotReplayable(ValueError):
+    """The folder is not one controller's run of policy cona from its start."""
+
+
+@dataclass(frozen=True)
+class Replay:
+    recorded: list[dict[str, Any]]  # the run's decision events
+    replayed: list[dict[str, Any]]  # the fresh policy's, fed the same rows
+
+    @property
+    def first_difference(self) -> int | None:
+        """Index of the first decision that differs in any of `COMPARED` (None: all agree)."""
+        for i, (a, b) in enumerate(zip(self.recorded, self.replayed, strict=False)):
+            if any(a.get(k) != b.get(k) for k in COMPARED):
+                return i
+        return None if len(self.recorded) == len(self.replayed) else min(len(self.recorded), len(self.replayed))
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.decisions: list[dict[str, Any]] = []
+
+    def write(self, kind: str, **fields: Any) -> dict[str, Any]:
+        row = {"kind": kind, **fields}
+        if kind == "decision":
+            self.decisions.append(json.loads(json.dumps(row)))  # as it would read back from events.jsonl
+        return row
+
+
+def replay(run_dir: Path) -> Replay:
+    """Feed the run's rows to a fresh `ConaPolicy` built from its resolved config."""
+    run, warnings = RunDir(run_dir), []
+    if not run.resolved_config.is_file():
+        raise NotReplayable(f"{run_dir}: not a run directory (no {run.resolved_config.name})")
+    events = read_jsonl(run.events, warnings)
+    cfg = config_from_dict(json.loads(run.resolved_config.read_text()), str(run.resolved_config))
+    if cfg.policy != "cona":
+        raise NotReplayable(f"{run_dir}: a run of policy {cfg.policy}; only policy cona makes decisions")
+    kinds = {e.get("kind") for e in events}
+    if kinds & {"resume", "failure", "restart", "out_of_memory"}:
+        raise NotReplayable(f"{run_dir}: the run was resumed or restarted; only one uninterrupted run replays")
+    policy = ConaPolicy(cfg, load_hardware(cfg.search.hardware))
+    log = _Events()
+    policy.events = log
+    switches = {int(e["step"]): e for e in events if e.get("kind") == "switch"}
+    standby = sorted(
+        (float(e["time"]), e["kind"]) for e in events if e.get("kind") in ("standby", "standby_ready", "switch")
+    )
+    requested: Stage | None = None
+    launch = None
+    for row in read_jsonl(run.metrics, warnings):
+        while standby and standby[0][0] <= float(row["time"]):
+            _, kind = standby.pop(0)
+            policy.standby_importing = kind == "standby"
+            policy.standby_ready = kind == "standby_ready"
+        if row.get("kind") == "eval":
+            policy.on_eval(row)
+            continue
+        if row.get("kind") != "step":
+            continue
+        switch = switches.get(int(row["step"]) - 1)
+        if requested is not None and switch is not None and Strategy.from_mapping(row) == requested.strategy:
+            if switch.get("in_place"):
+                policy.resized(requested, float(switch["seconds"]))
+            else:
+                policy.observe_switch(float(switch["seconds"]), warm=bool(switch.get("standby_ready")))
+                policy.after_launch({"step": switch["step"]}, requested)
+            requested = None
+        elif launch is not None and row.get("launch") != launch and requested is None:
+            raise NotReplayable(f"{run_dir}: launch {row.get('launch')} started without a decision to switch")
+        launch = row.get("launch")
+        stage = policy.on_metric(row)
+        policy.wait_for_search()
+        if stage is not None and requested is None:
+            requested = stage
+    return Replay([e for e in events if e.get("kind") == "decision"], log.decisions)
