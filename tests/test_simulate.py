@@ -209,7 +209,7 @@ def test_cona_probes_a_resizable_rung_the_model_mispredicts_once(
     (the confident rule alone would not have tried it); a 0.7x one is kept, a 1.4x one left at once."""
     import cona_cli.simulate.world as world
 
-    monkeypatch.setattr(world, "_Decisions", RecordedEvents)
+    monkeypatch.setattr(world, "DecisionLog", RecordedEvents)
     doc = _tiny_doc(16)
     cfg = config_from_dict(doc, "tiny")
     hw = load_hardware("cpu-local")

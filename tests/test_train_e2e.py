@@ -125,6 +125,7 @@ def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
         "decision_every": 4,
         "min_steps": 4,
         "kappa": 1000.0,  # the gradient noise dominates: the most samples per second wins
+        "in_place": False,  # every switch relaunches (with a standby): the other test resizes in place
     }
     run = _train_cona(tmp_path, {"max_steps": 400, "target_ppl": target}, search)
     events = _rows(run / "events.jsonl")
@@ -149,7 +150,7 @@ def test_online_policy_switches_and_stops_at_target(tmp_path: Path) -> None:
     assert all("gns" not in r for r in steps[:20]) and any(r.get("gns") for r in steps[20:])
     # The policy class, fed this run's rows and switches as the simulator feeds it, decides the same.
     replayed = replay(run)
-    assert len(replayed.recorded) >= 5 and replayed.first_difference is None, replayed
+    assert any(d["switch"] for d in replayed.recorded) and replayed.first_difference is None, replayed
 
 
 def test_online_policy_resizes_in_place_without_a_relaunch_or_standby(tmp_path: Path) -> None:
@@ -183,7 +184,7 @@ def test_online_policy_resizes_in_place_without_a_relaunch_or_standby(tmp_path: 
     final = json.loads((run / "launches" / "001.json").read_text())
     assert final["reason"] == "max_steps" and final["consumed_samples"] == steps[-1]["consumed_samples"]
     replayed = replay(run)
-    assert len(replayed.recorded) >= 5 and replayed.first_difference is None, replayed
+    assert any(d["switch"] for d in replayed.recorded) and replayed.first_difference is None, replayed
 
 
 def _train_cona(tmp_path: Path, train: dict, search: dict) -> Path:

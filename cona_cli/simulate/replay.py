@@ -24,6 +24,7 @@ from cona_cli.control.cona_policy import ConaPolicy
 from cona_cli.control.policies import Stage
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.rundir import RunDir, read_jsonl
+from cona_cli.simulate.world import DecisionLog
 from cona_cli.strategy import Strategy
 
 COMPARED = ("step", "switch", "candidate", "ratio", "ratio_low")  # what a decision is compared on
@@ -47,17 +48,6 @@ class Replay:
         return None if len(self.recorded) == len(self.replayed) else min(len(self.recorded), len(self.replayed))
 
 
-class _Events:
-    def __init__(self) -> None:
-        self.decisions: list[dict[str, Any]] = []
-
-    def write(self, kind: str, **fields: Any) -> dict[str, Any]:
-        row = {"kind": kind, **fields}
-        if kind == "decision":
-            self.decisions.append(json.loads(json.dumps(row)))  # as it would read back from events.jsonl
-        return row
-
-
 def replay(run_dir: Path) -> Replay:
     """Feed the run's rows to a fresh `ConaPolicy` built from its resolved config."""
     run, warnings = RunDir(run_dir), []
@@ -68,10 +58,10 @@ def replay(run_dir: Path) -> Replay:
     if cfg.policy != "cona":
         raise NotReplayable(f"{run_dir}: a run of policy {cfg.policy}; only policy cona makes decisions")
     kinds = {e.get("kind") for e in events}
-    if kinds & {"resume", "failure", "restart", "out_of_memory"}:
+    if kinds & {"resume", "failure"}:
         raise NotReplayable(f"{run_dir}: the run was resumed or restarted; only one uninterrupted run replays")
     policy = ConaPolicy(cfg, load_hardware(cfg.search.hardware))
-    log = _Events()
+    log = DecisionLog()
     policy.events = log
     switches = {int(e["step"]): e for e in events if e.get("kind") == "switch"}
     standby = sorted(

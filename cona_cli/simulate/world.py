@@ -92,13 +92,17 @@ class Curve:
         return None
 
 
-class _Decisions:
+class DecisionLog:
+    """A policy's `events` off a real run: keeps the decisions it writes, drops the rest."""
+
     def __init__(self) -> None:
-        self.count = 0
+        self.decisions: list[dict] = []
 
     def write(self, kind: str, **fields: object) -> dict:
-        self.count += kind == "decision"
-        return {"kind": kind, **fields}
+        row = {"kind": kind, **fields}
+        if kind == "decision":
+            self.decisions.append(row)
+        return row
 
 
 class Simulation:
@@ -140,7 +144,7 @@ class Simulation:
         stop rule of the config (max_time, max_steps, max_tokens) does, as the workers would."""
         spec, dyn = self.spec, self.spec.dynamics
         rng = random.Random(seed)
-        policy.events = _Decisions()
+        policy.events = DecisionLog()
         cur = policy.first().strategy
         curve = Curve(times=[spec.start_s], losses=[dyn.start_loss()], first=cur)
         t, step, consumed, launch, held = spec.start_s, 0, 0, 1, self.hold
