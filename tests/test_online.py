@@ -70,7 +70,6 @@ class World:
                 "trace_raw": self.gns * (1.0 + self.gns_noise * self.rng.gauss(0, 1)),
             }
             stage = self.policy.on_metric(row)
-            self.policy.wait_for_search()  # deterministic: each background search finishes before the next row
             if stage is not None:
                 self.switches.append((self.time, s, stage.strategy))
                 if self.policy.in_place and resizable(s, stage.strategy):

@@ -21,7 +21,9 @@ measured in an earlier visit also carries the host's drift between blocks of the
 steps. The first decision, at the first GNS estimate, may go to any rung.
 
 A background thread recalibrates the iteration-time model from the measured step times and reruns
-the search whenever the measurements moved, and after every switch.
+the search whenever the measurements moved, and after every switch. A decision uses the search
+started at the previous decision point, joined first (it ran while the workers trained): decisions
+follow from the rows alone, whatever the host's load, so a recorded run replays exactly.
 """
 
 from __future__ import annotations
@@ -151,9 +153,12 @@ class ConaPolicy(Policy):
         self._thread = threading.Thread(target=run, name="cona-search", daemon=True)
         self._thread.start()
 
-    def wait_for_search(self) -> None:
+    def _join_search(self) -> dict[int, SearchResult]:
+        """Wait for the background search, if one runs; its results per rung."""
         if self._thread is not None:
             self._thread.join()
+        with self._lock:
+            return dict(self._results)
 
     # -- policy ------------------------------------------------------------------------------
 
@@ -205,12 +210,13 @@ class ConaPolicy(Policy):
             del self._dwell[:-SAMPLE_WINDOW]
         if len(self._dwell) < self.s.min_steps or self._launch_steps % self.s.decision_every:
             return None
+        results = self._join_search()
         self._maybe_search()
         gns = self.gns()
         if gns is None:
             self._log(row, None, None, "no GNS estimate yet")
             return None
-        return self._decide(row, gns)
+        return self._decide(row, gns, results)
 
     def time_left(self, row: dict[str, Any], t_step: float) -> float:
         """Seconds the run still has by its stop rules, at the running strategy's speed; a run that
@@ -224,12 +230,10 @@ class ConaPolicy(Policy):
             left.append((t.max_tokens / self.cfg.model.seq_len - row["consumed_samples"]) / gbs * t_step)
         return max(min(left), 0.0) if left else now
 
-    def candidates(self) -> list[tuple[str, Strategy, Estimate, bool]]:
+    def candidates(self, results: dict[int, SearchResult]) -> list[tuple[str, Strategy, Estimate, bool]]:
         """(kind, strategy, step time, whether it may be probed) of everything the running strategy is
-        compared with."""
+        compared with, `results` the search's per rung."""
         cur = self.current.strategy
-        with self._lock:
-            results = dict(self._results)
         moved = drift(self._dwell)
 
         def measured(s: Strategy) -> Estimate:  # from an earlier visit: the host may have moved since
@@ -262,12 +266,12 @@ class ConaPolicy(Policy):
                 out.append(("lower_gbs", s, t, False))
         return out
 
-    def _decide(self, row: dict[str, Any], gns: NoiseInterval) -> Stage | None:
+    def _decide(self, row: dict[str, Any], gns: NoiseInterval, results: dict[int, SearchResult]) -> Stage | None:
         cur = self.current.strategy
         t_cur = time_estimate(self._dwell)
         left = self.time_left(row, t_cur.value)
         decisions: list[tuple[Decision, str, Strategy, Estimate]] = []
-        for kind, s, t, probe in self.candidates():
+        for kind, s, t, probe in self.candidates(results):
             d = decide(cur.gbs, t_cur, s.gbs, t, gns, self.switch_cost(s), left, self.z, self.s.kappa, probe)
             decisions.append((d, kind, s, t))
         if not decisions:
@@ -300,6 +304,7 @@ class ConaPolicy(Policy):
         self.current = stage
         self.leading = None  # the next standby prepares what the next decision leads with, not this move
         self._searched_for = None  # a new frontier: search again once the new strategy is measured
+        self._join_search()  # one started before the move must not write its results after it
         with self._lock:
             self._results = {}
 
@@ -309,6 +314,7 @@ class ConaPolicy(Policy):
         self.out_of_memory.add(strategy)
         self.space = self.space.without(self.out_of_memory, "ran out of memory")
         self.samples.pop(strategy, None)
+        self._join_search()
         with self._lock:
             self._results.clear()
         self._searched_for = None

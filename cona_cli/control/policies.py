@@ -51,10 +51,6 @@ class Policy:
         """A step row arrived; return a stage to switch to now, or None to keep going."""
         return None
 
-    def wait_for_search(self) -> None:
-        """Block until a background search this policy runs has finished (the simulator's
-        determinism); policies without one return at once."""
-
     def may_switch(self) -> bool:
         """Whether a later stage may follow the running one (worth pre-warming a standby job)."""
         return False

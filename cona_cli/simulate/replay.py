@@ -2,7 +2,7 @@
 own rows and switches as the controller fed them, and compare its decisions with the recorded ones.
 
 This is the check that the simulator drives the policy as `cona train` does (the same rows, the same
-calls, the background search waited for after every row), and the tool for asking what the current
+calls), and the tool for asking what the current
 decision rule makes of a run recorded under an older one: the replay is exact up to the first decision
 that differs, after which the recorded rows no longer follow from the replayed decisions.
 
@@ -91,7 +91,6 @@ def replay(run_dir: Path) -> Replay:
             raise NotReplayable(f"{run_dir}: launch {row.get('launch')} started without a decision to switch")
         launch = row.get("launch")
         stage = policy.on_metric(row)
-        policy.wait_for_search()
         if stage is not None and requested is None:
             requested = stage
     return Replay([e for e in events if e.get("kind") == "decision"], log.decisions)

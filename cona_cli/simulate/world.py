@@ -16,7 +16,8 @@
 
 The policy sees the rows `cona train`'s workers stream (step, time, iter_s, consumed_samples, layout,
 grad_sq_raw, trace_raw) and is told of switches as the controller tells it (`resized`, `observe_switch`,
-`after_launch`). Its background search is waited for after every row, so a seed reproduces.
+`after_launch`). Its decisions follow from the rows alone (each uses the search started at the
+decision point before), so a seed reproduces.
 """
 
 from __future__ import annotations
@@ -167,7 +168,6 @@ class Simulation:
             else:
                 row["grad_sq_raw"], row["trace_raw"] = dyn.report(cur.gbs, loss, rng)
             stage = policy.on_metric(row)
-            policy.wait_for_search()
             if stage is None or stage.strategy == cur:
                 continue
             new = stage.strategy
