@@ -1,7 +1,8 @@
-"""Every world-4 layout matches single-process training, for every model family (FSDP under TP and PP
-too); DCP checkpoints reshard across layouts, also into a layout built ahead (a standby's); an in-place
-resize continues as a relaunch from a checkpoint would; tied embeddings stay equal on both pipeline
-ends; a checkpoint one rank cannot read fails on every rank."""
+"""Every world-4 layout matches single-process training (FSDP under TP and PP too), for GPT; for Llama
+and BERT the layouts that run their own code (TP plans, pipeline splits, tied weights under FSDP). DCP
+checkpoints reshard across layouts, also into a layout built ahead (a standby's); an in-place resize
+continues as a relaunch from a checkpoint would; tied embeddings stay equal on both pipeline ends; a
+checkpoint one rank cannot read fails on every rank."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def results(request: pytest.FixtureRequest, every_family: dict) -> dict:
 
 def test_every_layout_matches_single_process(results: dict) -> None:
     ref = results["reference"]
-    assert len(results["layouts"]) == 6 and len(results["fsdp"]) == 2
+    counts = (6, 2) if results["family"] == "gpt" else (3, 1)  # the other families: where their code differs
+    assert (len(results["layouts"]), len(results["fsdp"])) == counts
     for name, losses in {**results["layouts"], **{f"fsdp {k}": v for k, v in results["fsdp"].items()}}.items():
         assert abs(losses[0] - ref[0]) < 1e-4, (name, losses, ref)
         for got, want in zip(losses, ref):
@@ -70,6 +72,8 @@ def test_reshard_keeps_weights_moments_and_loss(results: dict) -> None:
 
 
 def test_a_checkpoint_one_rank_cannot_read_fails_every_rank(results: dict) -> None:
+    if results["family"] != "gpt":
+        pytest.skip("run for the GPT family only")
     errors = results["load_failure"]
     assert len(errors) == 4 and len(set(errors)) == 1, errors
     last = f"ckpt_{len(results['reshard']) - 1}"  # the last reshard pair's checkpoint
@@ -94,11 +98,11 @@ def test_an_in_place_resize_continues_as_a_relaunch_would(results: dict) -> None
 
 
 def test_a_restored_snapshot_replays_its_steps_exactly(results: dict) -> None:
-    """The in-memory snapshot (paired trials) under DDP+TP, PP and FSDP+TP: after two steps and another
+    """The in-memory snapshot (paired trials) under DDP+TP, PP and FSDP: after two steps and another
     (at the doubled batch where pp = 1), restoring it repeats the same two steps bit for bit (GPT only)."""
     if results["family"] != "gpt":
         pytest.skip("run for the GPT family only")
-    assert sorted(results["snapshot"]) == ["ddp-tp", "fsdp-tp", "pp"]
+    assert sorted(results["snapshot"]) == ["ddp-tp", "fsdp", "pp"]
     for layout, r in results["snapshot"].items():
         assert len(r["first"]) == 2 and r["first"][0] != r["first"][1], (layout, r)
         assert r["replay"] == r["first"], (layout, r)
