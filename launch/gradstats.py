@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launch.parallelize import ParallelModel, counts_here, in_param_layout, local_tensor
@@ -79,8 +80,12 @@ class NoiseNorms:
     (gbs/dp samples each), each replica's local gradient *before* the data-parallel reduction (read in
     DDP's communication hook, or just before our own all-reduce); dp = 1, the step's first micro-batch
     (mbs samples), whose gradient is what the first accumulation writes into each `.grad` (read in
-    post-accumulate hooks). Summed over ranks, `small_share()` / `n_small` is the mean |P G_small|^2 and
-    `big_share()` is |P G_big|^2. Hooks only queue 0-d tensors; nothing is read on the host here.
+    post-accumulate hooks). Under FSDP (pp = 1), which reduce-scatters every micro-batch's gradient
+    during its backward, the small batch is the step's first micro-batch of every replica (dp·mbs
+    samples), read the same way as it lands in the sharded gradients; under FSDP with PP the schedule
+    reduces only after the last micro-batch, and nothing is measured. Summed over ranks,
+    `small_share()` / `n_small` is the mean |P G_small|^2 and `big_share()` is |P G_big|^2. Hooks only
+    queue 0-d tensors; nothing is read on the host here.
     """
 
     def __init__(self, pm: ParallelModel, opt: torch.optim.Optimizer, vocab_params: tuple[str, ...]) -> None:
@@ -95,6 +100,7 @@ class NoiseNorms:
             raise ValueError("a tied parameter outside the family's vocab_params: the noise scale cannot count it")
         self.params = [p for p in pm.model.parameters() if id(p) not in left_out]
         self._measured = {id(p) for p in self.params}
+        self.fsdp = isinstance(pm.model, FSDPModule)
         if isinstance(pm.wrapped, DDP):  # DDP is only built with dp > 1
             pm.wrapped.register_comm_hook(pm.wrapped.process_group, self._ddp_hook)
         self.resize()
@@ -102,12 +108,16 @@ class NoiseNorms:
     def resize(self) -> None:
         """Follow the strategy's batch sizes (after an in-place resize: the layout is the same)."""
         s = self.pm.strategy
-        self.available = s.dp > 1 or s.n_microbatches > 1
-        self.b_small = s.gbs // s.dp if s.dp > 1 else s.mbs
-        self.n_small = s.dp if s.dp > 1 else 1
-        # dp = 1: the first micro-batch's gradient arrives as g_0 / m with pp = 1 (we scale the loss),
-        # as g_0 under pipelining (the schedule rescales after the last backward).
-        self._first_microbatch = self.available and s.dp == 1
+        if self.fsdp:
+            self.available = s.pp == 1 and s.n_microbatches > 1
+            self.b_small, self.n_small = s.dp * s.mbs, 1
+        else:
+            self.available = s.dp > 1 or s.n_microbatches > 1
+            self.b_small = s.gbs // s.dp if s.dp > 1 else s.mbs
+            self.n_small = s.dp if s.dp > 1 else 1
+        # The first micro-batch's gradient arrives as g_0 / m with pp = 1 (we scale the loss), as g_0
+        # under pipelining (the schedule rescales after the last backward).
+        self._first_microbatch = self.available and (s.dp == 1 or self.fsdp)
         self._scale = float(s.n_microbatches) ** 2 if self._first_microbatch and s.pp == 1 else 1.0
 
     def begin_step(self, measure: bool) -> None:
@@ -171,5 +181,5 @@ class NoiseNorms:
     def _first_microbatch_hook(self, p: nn.Parameter) -> None:
         self._hooks.pop(p).remove()
         g = in_param_layout(p, p.grad)
-        if self._counts(g, ("tp",)):
+        if self._counts(g, ("dp", "tp")):  # dp = 1, or FSDP's gradient already reduced over dp
             self._pending.append(self.precond.sq(p, g))

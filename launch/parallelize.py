@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cona_cli.config import ConfigError
@@ -177,12 +178,13 @@ def counts_here(grad: torch.Tensor, coord: dict[str, int], dims: tuple[str, ...]
     dimension of `dims` over which the gradient is replicated. With dims = (dp, tp) a sum over all
     ranks gives the whole model's norm once; with (tp,) once per data-parallel replica. Placements
     are read from the gradient, not the parameter: under TP the embedding's gradient comes back
-    Replicate although its weight is Shard(0).
+    Replicate although its weight is Shard(0). FSDP over a TP-sharded dimension 0 places a
+    `_StridedShard` on dp, which is not a `Shard` subclass.
     """
     sharded: set[str] = set()
     if isinstance(grad, DTensor):
         names = grad.device_mesh.mesh_dim_names
-        sharded = {names[i] for i, pl in enumerate(grad.placements) if isinstance(pl, Shard)}
+        sharded = {names[i] for i, pl in enumerate(grad.placements) if isinstance(pl, (Shard, _StridedShard))}
     return all(coord[d] == 0 for d in dims if d not in sharded)
 
 

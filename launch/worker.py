@@ -35,7 +35,8 @@ from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, RunDir
 from cona_cli.strategy import Strategy, resizable
 from launch import checkpoint, testhooks
 from launch.data.corpus import CorpusInfo
-from launch.data.sampling import TokenStream, eval_batches, replica_microbatches
+from launch.data.prefetch import BatchKey, Prefetcher
+from launch.data.sampling import TokenStream, eval_batches
 from launch.device import (
     DeviceError,
     gpus_wanted,
@@ -135,6 +136,7 @@ class Worker:
         self.precision = resolve_precision(cfg.search.precision, self.device)  # what runs (auto resolved)
         self.batch = self.spec.batch(corpus.vocab_size)  # the family's (windows, sample ids) -> (inputs, targets)
         self.train_stream = TokenStream(corpus.train_path, m.seq_len, cfg.train.seed, self.batch)
+        self.batches = Prefetcher(self.train_stream, self.device)  # on CUDA: the next step's built during this one
         self.valid_path = corpus.valid_path
         if layout is None or layout.strategy != strategy:
             layout = build_layout(cfg, strategy, self.device, corpus.vocab_size)
@@ -147,7 +149,7 @@ class Worker:
         self.memory_estimate = self.files.memory_estimates().get(str(strategy))  # the planner's, from the controller
         self.timeouts_shortened = False
         self.state = TrainerState()
-        self.small = NoiseNorms(self.pm, self.opt, self.spec.vocab_params) if t.gns and t.dp_impl == "ddp" else None
+        self.small = NoiseNorms(self.pm, self.opt, self.spec.vocab_params) if t.gns else None
         self.noise = NoiseScale(window=t.gns_window)
         self.gns_hold = math.ceil(1 / (1 - t.beta2))  # steps for Adam's second moment to describe a new batch
         self.state.gns_from_step = self.gns_hold  # held at the start, and after each change of batch
@@ -319,8 +321,7 @@ class Worker:
         for group in self.opt.param_groups:
             group["lr"] = lr
         torch.manual_seed(t.seed * 1_000_003 + st.step * 1009 + self.dp_rank * 31 + self.pp_rank)
-        micro = replica_microbatches(self.train_stream, st.consumed_samples, s.gbs, s.dp, self.dp_rank, s.mbs)
-        micro = to_device(micro, self.device)
+        micro = self.batches.take(BatchKey(st.consumed_samples, s.gbs, s.dp, self.dp_rank, s.mbs))
         self.opt.zero_grad(set_to_none=True)
         if self.small is not None:
             self.small.begin_step(measure=st.step >= st.gns_from_step)

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 import launch.data.corpus as data_mod
 from cona_cli.config import DataConfig
 from launch.data.corpus import CorpusInfo, prepare_corpus
+from launch.data.prefetch import BatchKey, Prefetcher
 from launch.data.sampling import TokenStream, eval_batches, replica_microbatches
 from launch.data.sources import DataError
 from launch.data.synthetic import synthetic_corpus
@@ -161,6 +162,23 @@ def test_layout_switch_continues_without_repeat_or_skip(ramp: str) -> None:
     assert seen == reference  # the same stream regardless of layout
     assert epoch0 != list(range(50)) and epoch1 != epoch0[:48]  # shuffled, and a new order each epoch
     assert seen != window_ids([TokenStream(ramp, SEQ, seed=8).samples(0, 98)])
+
+
+def test_prefetched_batches_are_the_steps_own_across_resizes_and_restores(ramp: str) -> None:
+    """Built on the background thread: each step's micro-batches are the ones sampled directly, whether
+    foreseen (the next step at the same batch sizes) or not (a resize, a restore to an earlier step)."""
+    fetch = Prefetcher(TokenStream(ramp, SEQ, seed=7), torch.device("cpu"), background=True)
+    direct = TokenStream(ramp, SEQ, seed=7)
+    keys = [BatchKey(0, 8, 2, 1, 2), BatchKey(8, 8, 2, 1, 2), BatchKey(16, 16, 2, 1, 4), BatchKey(32, 16, 2, 1, 4)]
+    keys += [BatchKey(8, 8, 2, 1, 2), BatchKey(48, 6, 3, 2, 1)]  # a restore to step 1, then a new epoch's
+    try:
+        for key in keys:
+            got = fetch.take(key)
+            want = replica_microbatches(direct, *key)
+            assert len(got) == len(want) and all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+    finally:
+        fetch.close()
+    assert fetch.hits == 2  # steps 2 and 4: the others were not the next step at the same sizes
 
 
 def test_eval_batches_are_layout_independent(ramp: str) -> None:

@@ -93,11 +93,16 @@ FAMILY_MODEL = {"gpt": {}, "llama": {"n_heads": 8, "n_kv_heads": 4}, "bert": {}}
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "nproc,layouts,family",
-    [(4, "2-2-1,1-2-2", "gpt"), (2, "1-1-2,2-1-1", "gpt"), (4, "1-2-2,2-1-2", "llama"), (4, "1-2-2,2-1-2", "bert")],
+    [
+        (4, "2-2-1,1-2-2,fsdp-2-2-1", "gpt"),
+        (2, "1-1-2,2-1-1", "gpt"),
+        (4, "1-2-2,2-1-2", "llama"),
+        (4, "1-2-2,2-1-2", "bert"),
+    ],
 )
 def test_shard_sums_equal_single_process(tiny_run_dir: Path, nproc: int, layouts: str, family: str) -> None:
     """Every layout counts the same parameters once: all but the family's vocab_params (embeddings and
-    output heads, tied copies under pp > 1 included), first micro-batch (dp = 1) too."""
+    output heads, tied copies under pp > 1 included), first micro-batch (dp = 1, and FSDP) too."""
     if family != "gpt":
         _family_run_dir(tiny_run_dir, family)
     if nproc == 2:  # the tiny config has 4 ranks; this job runs on 2
@@ -108,7 +113,7 @@ def test_shard_sums_equal_single_process(tiny_run_dir: Path, nproc: int, layouts
     out = tiny_run_dir / "gns.json"
     torchrun(REPO / "tests" / "dist" / "gns_shards.py", nproc, str(tiny_run_dir), str(out), layouts)
     results = json.loads(out.read_text())
-    assert len(results) == 2
+    assert sorted(results) == sorted(layouts.split(","))
     for name, r in results.items():
         assert math.isclose(r["grad_sq"], r["ref_grad_sq"], rel_tol=1e-4, abs_tol=1e-7), (name, r)
         assert math.isclose(r["trace"], r["ref_trace"], rel_tol=1e-4), (name, r)

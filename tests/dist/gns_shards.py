@@ -5,11 +5,13 @@ state is set by hand to v = θ² + V0 at step t = STEP for every parameter (the 
 same initial weights in both), so the reference computes P from the full weights. Both leave out the
 family's vocab_params (embeddings, output heads).
 
-Usage: torchrun --standalone --nproc-per-node W tests/dist/gns_shards.py RUN_DIR OUT_JSON dp-tp-pp[,dp-tp-pp]
+Usage: torchrun --standalone --nproc-per-node W tests/dist/gns_shards.py RUN_DIR OUT_JSON LAYOUT[,LAYOUT]
+LAYOUT: dp-tp-pp, or fsdp-dp-tp-pp for FSDP (whose small batch is every replica's first micro-batch).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -43,7 +45,7 @@ def set_adam_state(opt: torch.optim.Optimizer) -> None:
             }
 
 
-def reference(cfg, corpus: CorpusInfo, s: Strategy) -> tuple[float, float]:
+def reference(cfg, corpus: CorpusInfo, s: Strategy, fsdp: bool) -> tuple[float, float]:
     """Single process: (|G|^2, tr(Sigma)) raw estimates for the first step under strategy s."""
     m = cfg.model
     spec = get_spec(m.family)
@@ -61,6 +63,10 @@ def reference(cfg, corpus: CorpusInfo, s: Strategy) -> tuple[float, float]:
         return float(sum((p.grad * precond[n]).double().pow(2).sum() for n, p in counted))
 
     big = grad_sq(*stream.samples(0, s.gbs))
+    if fsdp:  # every replica's first micro-batch, reduced over dp as FSDP does with each micro-batch
+        first = [replica_microbatches(stream, 0, s.gbs, s.dp, r, s.mbs)[0] for r in range(s.dp)]
+        small = grad_sq(torch.cat([x for x, _ in first]), torch.cat([y for _, y in first]))
+        return two_batch_estimate(s.dp * s.mbs, small, s.gbs, big)
     if s.dp > 1:
         replicas = [replica_microbatches(stream, 0, s.gbs, s.dp, r, s.mbs) for r in range(s.dp)]
         small = sum(grad_sq(torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])) for mbs in replicas) / s.dp
@@ -73,14 +79,16 @@ def main() -> None:
     run_dir, out, cfg, corpus = start()
     results = {}
     for layout in sys.argv[3].split(","):
-        dp, tp, pp = (int(v) for v in layout.split("-"))
+        fsdp = layout.startswith("fsdp-")
+        dp, tp, pp = (int(v) for v in layout.removeprefix("fsdp-").split("-"))
         s = Strategy(dp, tp, pp, MBS, GBS)
-        w = Worker(cfg, run_dir, s, launch=1)
+        impl = dataclasses.replace(cfg.train, dp_impl="fsdp" if fsdp else "ddp")
+        w = Worker(dataclasses.replace(cfg, train=impl), run_dir, s, launch=1)
         set_adam_state(w.opt)
         w.state.gns_from_step = 0  # measure from this step (a worker holds the estimator while v̂ is young)
         noise = w.train_step(False).noise
-        ref = reference(cfg, corpus, s)
-        results[str(s)] = {
+        ref = reference(cfg, corpus, s, fsdp)
+        results[layout] = {
             "grad_sq": noise["grad_sq_raw"],
             "trace": noise["trace_raw"],
             "ref_grad_sq": ref[0],
