@@ -26,7 +26,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launch.parallelize import ParallelModel, counts_here, in_param_layout, local_tensor
+from launch.dtensor_pieces import counts_here, in_param_layout, local_tensor
+from launch.parallelize import ParallelModel
 
 
 def _sq(tensors: list[torch.Tensor]) -> torch.Tensor | float:
@@ -78,7 +79,7 @@ class NoiseNorms:
 
     Big batch: the step's (data-parallel reduced) gradient. Small batches: dp > 1, the replicas' batches
     (gbs/dp samples each), each replica's local gradient *before* the data-parallel reduction (read in
-    DDP's communication hook, or just before our own all-reduce); dp = 1, the step's first micro-batch
+    DDP's communication hook, or as each bucket of our own all-reduce launches); dp = 1, the step's first micro-batch
     (mbs samples), whose gradient is what the first accumulation writes into each `.grad` (read in
     post-accumulate hooks). Under FSDP (pp = 1), which reduce-scatters every micro-batch's gradient
     during its backward, the small batch is the step's first micro-batch of every replica (dp·mbs
@@ -103,6 +104,8 @@ class NoiseNorms:
         self.fsdp = isinstance(pm.model, FSDPModule)
         if isinstance(pm.wrapped, DDP):  # DDP is only built with dp > 1
             pm.wrapped.register_comm_hook(pm.wrapped.process_group, self._ddp_hook)
+        if pm.averager is not None:
+            pm.averager.before_reduce = self._before_reduce
         self.resize()
 
     def resize(self) -> None:
@@ -116,9 +119,14 @@ class NoiseNorms:
             self.b_small = s.gbs // s.dp if s.dp > 1 else s.mbs
             self.n_small = s.dp if s.dp > 1 else 1
         # The first micro-batch's gradient arrives as g_0 / m with pp = 1 (we scale the loss), as g_0
-        # under pipelining (the schedule rescales after the last backward).
+        # under pipelining (the schedule rescales after the last backward, or leaves the sum to our
+        # dp average: a replica's gradient then arrives as m times its mean).
         self._first_microbatch = self.available and (s.dp == 1 or self.fsdp)
-        self._scale = float(s.n_microbatches) ** 2 if self._first_microbatch and s.pp == 1 else 1.0
+        m2 = float(s.n_microbatches) ** 2
+        if self._first_microbatch:
+            self._scale = m2 if s.pp == 1 else 1.0
+        else:
+            self._scale = 1 / m2 if s.pp > 1 else 1.0
 
     def begin_step(self, measure: bool) -> None:
         """`measure`: this step feeds the estimator (needs every parameter's second moment)."""
@@ -127,14 +135,6 @@ class NoiseNorms:
         if self.active and self._first_microbatch:  # each hook removes itself after the first micro-batch
             for p in self.params:
                 self._hooks[p] = p.register_post_accumulate_grad_hook(self._first_microbatch_hook)
-
-    def before_dp_reduce(self) -> None:
-        """The step's backward passes are done and our own dp all-reduce (if any) is about to run: read the
-        local replica gradients first."""
-        if not self.active:
-            return
-        if self.pm.dp_group is not None:
-            self._pending += self._precond_sqs(("tp",))
 
     def small_share(self) -> torch.Tensor | float:
         if not self.active or not self._pending:
@@ -176,6 +176,17 @@ class NoiseNorms:
                 if id(p) in self._measured
             ]
         return allreduce_hook(state, bucket)
+
+    @torch.no_grad()
+    def _before_reduce(self, params: list[nn.Parameter]) -> None:
+        """A bucket of this replica's final local gradients, just before their dp all-reduce."""
+        if not self.active:
+            return
+        for p in params:
+            if id(p) in self._measured:
+                g = in_param_layout(p, p.grad)
+                if self._counts(g, ("tp",)):
+                    self._pending.append(self.precond.sq(p, g))
 
     @torch.no_grad()
     def _first_microbatch_hook(self, p: nn.Parameter) -> None:

@@ -19,15 +19,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cona_cli.config import ConfigError
 from cona_cli.strategy import Strategy
-from launch.buckets import IN_FLIGHT, buckets
 from launch.device import group_device
+from launch.dtensor_pieces import counts_here, in_param_layout, local_tensor
+from launch.grad_average import GradAverager
 from launch.models.spec import Batch, ModelSpec
 from launch.precision import autocast_forward, fsdp_policy, resolve_precision
 from launch.recompute import recompute_blocks
@@ -44,7 +43,7 @@ class ParallelModel:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     schedule: object | None = None
     coord: dict[str, int] = field(default_factory=dict)  # this rank's (pp, dp, tp) coordinates
-    dp_group: dist.ProcessGroup | None = None  # set when gradients are averaged here, not by DDP/FSDP
+    averager: GradAverager | None = None  # set when gradients are averaged here, not by DDP/FSDP
     device: torch.device | None = None  # where the local model, its batches and its losses live
     tied: tuple[nn.Parameter, ...] = ()  # this end stage's copies of parameters both end stages hold (pp > 1)
     tie_group: dist.ProcessGroup | None = None  # the first and the last stage at this rank's (dp, tp)
@@ -79,7 +78,12 @@ class ParallelModel:
         return self.coord["pp"] == self.strategy.pp - 1
 
     def forward_backward(self, micro: list[Batch]) -> torch.Tensor:
-        """Run the step's micro-batches with backward; returns the summed micro-batch losses (last stage)."""
+        """Run the step's micro-batches with backward; returns the summed micro-batch losses (last stage).
+        Where the dp average is ours, its buckets start during the backward passes (`average_grads`
+        finishes it): under PP the schedule then leaves the gradients as micro-batch sums."""
+        if self.averager is not None:
+            m = self.strategy.n_microbatches
+            self.averager.arm(backwards=m, divide=self.strategy.dp * (m if self.schedule is not None else 1))
         if self.schedule is not None:
             loss = self._pipeline(micro, train=True)
             # Megatron's embedding all-reduce: each end stage's copy of a tied weight got its own use's
@@ -99,35 +103,10 @@ class ParallelModel:
         return torch.stack(losses).sum()
 
     def average_grads(self) -> None:
-        """Data-parallel gradient average where DDP/FSDP did not already do it during backward: the local
-        (TP-sharded) gradients over the dp group, in buckets (`launch.buckets`), a few all-reduces in flight.
-        A bucket of one contiguous gradient is reduced in place; others through a flat copy of the bucket."""
-        if self.dp_group is None:
-            return
-        grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
-        in_flight: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
-        for group in buckets([g.numel() * g.element_size() for g in grads]):
-            bucket = [grads[i] for i in group]
-            if len(bucket) == 1 and bucket[0].is_contiguous():
-                flat = bucket[0].view(-1)
-            else:
-                flat = torch.cat([g.reshape(-1) for g in bucket])
-            in_flight.append((bucket, flat, dist.all_reduce(flat, group=self.dp_group, async_op=True)))
-            if len(in_flight) == IN_FLIGHT:
-                self._unpack(*in_flight.pop(0))
-        for pending in in_flight:
-            self._unpack(*pending)
-
-    def _unpack(self, bucket: list[torch.Tensor], flat: torch.Tensor, work: dist.Work) -> None:
-        """Wait for one bucket's all-reduce and put the averages back into its gradients."""
-        work.wait()
-        flat /= self.strategy.dp
-        if len(bucket) == 1 and flat.data_ptr() == bucket[0].data_ptr():
-            return
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        """Finish the data-parallel gradient average where DDP/FSDP do not do it (`GradAverager`, which
+        launched most of it during backward)."""
+        if self.averager is not None:
+            self.averager.finish()
 
     @torch.no_grad()
     def evaluate(self, micro: list[Batch]) -> torch.Tensor:
@@ -146,19 +125,6 @@ class ParallelModel:
         return torch.stack([loss.detach() for loss in losses]).sum() if losses else torch.zeros((), device=self.device)
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a DTensor; a plain tensor as it is."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def in_param_layout(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-    """`grad` in the placements of its parameter (under TP the embedding's comes back Replicate while the
-    tied head's is Shard(0): local pieces of both copies must line up to be summed)."""
-    if isinstance(grad, DTensor) and grad.placements != p.placements:
-        return grad.redistribute(p.device_mesh, p.placements)
-    return grad
-
-
 def tie_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     """The group of the first and the last pipeline stage at this rank's (dp, tp) coordinates (every rank
     creates every such group; None on middle stages)."""
@@ -169,23 +135,6 @@ def tie_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
         if dist.get_rank() in ends:
             mine = group
     return mine
-
-
-def counts_here(grad: torch.Tensor, coord: dict[str, int], dims: tuple[str, ...]) -> bool:
-    """Whether this rank's local piece of `grad` is the one to count in norms summed over ranks.
-
-    Among ranks holding identical copies along `dims`, exactly one counts: coordinate 0 on every
-    dimension of `dims` over which the gradient is replicated. With dims = (dp, tp) a sum over all
-    ranks gives the whole model's norm once; with (tp,) once per data-parallel replica. Placements
-    are read from the gradient, not the parameter: under TP the embedding's gradient comes back
-    Replicate although its weight is Shard(0). FSDP over a TP-sharded dimension 0 places a
-    `_StridedShard` on dp, which is not a `Shard` subclass.
-    """
-    sharded: set[str] = set()
-    if isinstance(grad, DTensor):
-        names = grad.device_mesh.mesh_dim_names
-        sharded = {names[i] for i, pl in enumerate(grad.placements) if isinstance(pl, (Shard, _StridedShard))}
-    return all(coord[d] == 0 for d in dims if d not in sharded)
 
 
 def refuse_tp_dropout(model: nn.Module) -> None:
@@ -257,21 +206,26 @@ def parallelize(
         coord=dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())),
         device=device,
     )
-    if dp_impl == "ddp" and strategy.dp > 1 and wrapped is model:
-        # Measured with torch 2.13 on gloo: DDP's reducer rejects DTensor parameters under TP (mixed
-        # Tensor/DTensor ops), and under pipelining with 2 micro-batches it fails its bucket rebuild
-        # (INTERNAL ASSERT in reducer.cpp). There the local gradients are averaged here, after the
-        # step's backward passes, in buckets over the dp group (`average_grads`).
-        pm.dp_group = mesh["dp"].get_group()
+    # Measured with torch 2.13 on gloo: DDP's reducer rejects DTensor parameters under TP (mixed
+    # Tensor/DTensor ops), and under pipelining with 2 micro-batches it fails its bucket rebuild
+    # (INTERNAL ASSERT in reducer.cpp). There the local gradients are averaged here, in buckets over
+    # the dp group launched during backward (`launch.grad_average`).
+    manual = dp_impl == "ddp" and strategy.dp > 1 and wrapped is model
     if strategy.pp > 1 and spec.tied:
         pm.tie_group = tie_group(mesh)
         if pm.is_first or pm.is_last:
             params = dict(model.named_parameters())
             pm.tied = tuple(params[name] for name in spec.tied)
+    if manual:
+        pm.averager = GradAverager(list(model.parameters()), mesh["dp"].get_group(), deferred=pm.tied)
     if strategy.pp > 1:
         stage = PipelineStage(wrapped, pp_rank, strategy.pp, device, group=mesh["pp"].get_group())
         schedule_cls = Schedule1F1B if pp_schedule == "1f1b" else ScheduleGPipe
-        pm.schedule = schedule_cls(stage, n_microbatches=strategy.n_microbatches, loss_fn=spec.loss)
+        # scale_grads off where our buckets are in flight during backward: the schedule's division
+        # after the last backward would race them (the averager divides by dp·m instead)
+        pm.schedule = schedule_cls(
+            stage, n_microbatches=strategy.n_microbatches, loss_fn=spec.loss, scale_grads=not manual
+        )
     return pm
 
 

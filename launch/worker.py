@@ -328,8 +328,6 @@ class Worker:
         loss_sum = self.pm.forward_backward(micro)
         testhooks.maybe_die(self.run_dir, "step", st.step + 1, self.rank)
         testhooks.step_delay()
-        if self.small is not None:
-            self.small.before_dp_reduce()
         self.pm.average_grads()
         # Rank 0 decides time- and command-driven stops, evaluations and checkpoints for everyone.
         stop = 0.0

@@ -117,15 +117,17 @@ def iteration_time(x: np.ndarray, w: Workload, hw: HardwareProfile) -> np.ndarra
 
         # Under PP the stage stays gathered from the first micro-batch's forward to the last one's backward
         # (reshard_after_forward off; PipelineStage defers resharding and the reduce-scatter): one all-gather.
+        # Without PP every micro-batch's backward reduce-scatters its gradients; under PP only the last.
         gathers = np.where(pp == 1, 2 * m, 1.0)
-        dp_comm = gathers * sharded(local_params * e) + sharded(grad_bytes)
+        reduces = np.where(pp == 1, m, 1.0)
+        dp_comm = gathers * sharded(local_params * e) + reduces * sharded(grad_bytes)
         hideable = pipeline
         optimizer_params = local_params / dp
     else:
         dp_comm = ring_allreduce_s(dp, grad_bytes, dp_bw, dp_lat)
-        # DDP hides its bucketed all-reduce behind the last micro-batch's backward; under TP or PP the
-        # engine averages in buckets after the backward passes, with nothing to hide behind.
-        hideable = np.where((tp > 1) | (pp > 1), 0.0, (passes - 1) / passes * stage)
+        # DDP (and the engine's own buckets under TP or PP) hides the bucketed all-reduce behind the
+        # last micro-batch's backward.
+        hideable = (passes - 1) / passes * stage
         optimizer_params = local_params
     exposed = dp_comm - np.minimum(hw.overlap * dp_comm, hideable)
     optimizer = optimizer_params * ADAM_BYTES_PER_PARAM / (hw.mem_bw_gbs * 1e9)
