@@ -7,7 +7,7 @@ import numpy as np
 from cona_cli.config import config_from_dict, load_config
 from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.hardware import load_hardware
-from cona_cli.planner.memory import memory_bytes
+from cona_cli.planner.memory import memory_bytes, startup_bytes
 from cona_cli.planner.space import enumerate_space, gbs_ladder
 from cona_cli.planner.workload import Workload
 from cona_cli.strategy import Strategy
@@ -74,3 +74,25 @@ def test_memory_estimate_scales_as_expected():
     single = memory_bytes(as_array([Strategy(1, 1, 1, 1, 1)]), w)[0]
     assert states < single < states * 2
     assert np.isfinite(memory_bytes(x, w)).all()
+
+
+def test_a_strategy_that_fits_only_sharded_is_refused_for_building_its_stage_whole():
+    """`launch.materialise` allocates a stage whole in fp32 before TP/FSDP shard it: that peak counts."""
+    cfg = load_config(GPT3)
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, dp_impl="fsdp"),
+        search=dataclasses.replace(cfg.search, recompute=True),
+    )
+    w = Workload.from_config(cfg)
+    s = Strategy(16, 1, 1, 1, 128)
+    x = as_array([s])
+    whole, steady = startup_bytes(x, w)[0], memory_bytes(x, w, load_hardware("a6000-2x8"))[0]
+    assert whole == w.shape.total_params * 4 > steady  # 1.3B whole in fp32 against 1/16 of its states
+    hw = load_hardware("a6000-2x8")
+    gib = (steady + whole) / 2 / 2**30 + hw.reserved_gib
+    small = dataclasses.replace(hw, memory_gib=gib / (1 - cfg.search.memory_margin))
+    reasons = dict(enumerate_space(cfg, small, [128]).rejected)
+    assert "while the stage is built whole, before TP/FSDP shard it" in reasons[s]
+    roomy = dataclasses.replace(hw, memory_gib=(whole / 2**30 + hw.reserved_gib) / (1 - cfg.search.memory_margin) + 1)
+    assert s in enumerate_space(cfg, roomy, [128]).feasible

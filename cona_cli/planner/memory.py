@@ -85,3 +85,11 @@ def memory_bytes(x: np.ndarray, w: Workload, hw: HardwareProfile | None = None) 
     last = last_in_flight * per_microbatch + logits
     step_temporary = optimizer_params * ADAM_TEMP_BYTES
     return states + np.maximum(np.maximum(first, last), step_temporary)
+
+
+def startup_bytes(x: np.ndarray, w: Workload) -> np.ndarray:
+    """Peak bytes per device while a launch builds its model, for rows x = (dp, tp, pp, mbs, gbs):
+    `launch.materialise` allocates the rank's pipeline stage whole, in fp32, and TP and FSDP shard it
+    only afterwards (one module at a time, so the whole stage is the peak)."""
+    pp = x[:, 2].astype(np.float64)
+    return w.stage_params(np.ones_like(pp), pp) * GRAD_BYTES

@@ -9,7 +9,7 @@ import numpy as np
 from cona_cli.config import Config
 from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.hardware import HardwareProfile
-from cona_cli.planner.memory import memory_bytes
+from cona_cli.planner.memory import memory_bytes, startup_bytes
 from cona_cli.planner.workload import Workload
 from cona_cli.strategy import Strategy, divisibility_problems
 
@@ -84,13 +84,18 @@ def enumerate_space(cfg: Config, hw: HardwareProfile, ladder: list[int] | None =
                         rejected.append((s, "; ".join(problems)))
                     else:
                         candidates.append(s)
-    need = memory_bytes(as_array(candidates), w, hw) + hw.reserved_gib * 2**30
+    x = as_array(candidates)
+    reserved = hw.reserved_gib * 2**30
+    need, start = memory_bytes(x, w, hw) + reserved, startup_bytes(x, w) + reserved
     budget = (1 - cfg.search.memory_margin) * hw.device_memory_bytes(ppn)
-    fits = need <= budget
+    fits = (need <= budget) & (start <= budget)
     feasible = [s for s, ok in zip(candidates, fits) if ok]
+    margin = f"{budget / 2**30:.1f} GiB available ({cfg.search.memory_margin:.0%} margin)"
     rejected += [
-        (s, f"memory {n / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB available ({cfg.search.memory_margin:.0%} margin)")
-        for s, n, ok in zip(candidates, need, fits)
+        (s, f"memory {n / 2**30:.1f} GiB > {margin}")
+        if n > budget
+        else (s, f"memory {b / 2**30:.1f} GiB > {margin} while the stage is built whole, before TP/FSDP shard it")
+        for s, n, b, ok in zip(candidates, need, start, fits)
         if not ok
     ]
     return Space(feasible, need[fits] / 2**30, rejected)
