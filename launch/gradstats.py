@@ -153,11 +153,12 @@ class NoiseNorms:
     def _counts(self, g: torch.Tensor, dims: tuple[str, ...]) -> bool:
         return counts_here(g, self.pm.coord, dims)
 
-    def _precond_sqs(self, dims: tuple[str, ...]) -> list[torch.Tensor]:
+    def _precond_sqs(self, dims: tuple[str, ...], params: list[nn.Parameter] | None = None) -> list[torch.Tensor]:
         """Per-parameter |P g|^2 of the pieces this rank counts along `dims` (gradients in their
-        parameters' layouts, so that each piece lines up with its second moment)."""
+        parameters' layouts, so that each piece lines up with its second moment), over `params`
+        (default: every measured parameter)."""
         out = []
-        for p in self.params:
+        for p in self.params if params is None else params:
             if p.grad is None:
                 continue
             g = in_param_layout(p, p.grad)
@@ -180,13 +181,8 @@ class NoiseNorms:
     @torch.no_grad()
     def _before_reduce(self, params: list[nn.Parameter]) -> None:
         """A bucket of this replica's final local gradients, just before their dp all-reduce."""
-        if not self.active:
-            return
-        for p in params:
-            if id(p) in self._measured:
-                g = in_param_layout(p, p.grad)
-                if self._counts(g, ("tp",)):
-                    self._pending.append(self.precond.sq(p, g))
+        if self.active:
+            self._pending += self._precond_sqs(("tp",), [p for p in params if id(p) in self._measured])
 
     @torch.no_grad()
     def _first_microbatch_hook(self, p: nn.Parameter) -> None:

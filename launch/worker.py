@@ -35,7 +35,7 @@ from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, RunDir
 from cona_cli.strategy import Strategy, resizable
 from launch import checkpoint, testhooks
 from launch.data.corpus import CorpusInfo
-from launch.data.prefetch import BatchKey, Prefetcher
+from launch.data.prefetch import BatchKey, Prefetcher, to_device
 from launch.data.sampling import TokenStream, eval_batches
 from launch.device import (
     DeviceError,
@@ -106,10 +106,6 @@ def exit_on_out_of_memory(strategy: Callable[[], Strategy], device: torch.device
         print(line, file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(OUT_OF_MEMORY_EXIT)  # not sys.exit: the other ranks wait in collectives that will never complete
-
-
-def to_device(micro: list[Batch], device: torch.device) -> list[Batch]:
-    return [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in micro]
 
 
 class Worker:
@@ -644,6 +640,7 @@ def run(
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(result))
         os.replace(tmp, out)
+    worker.batches.close()
     dist.destroy_process_group()
 
 

@@ -18,6 +18,11 @@ from launch.data.sampling import TokenStream, replica_microbatches
 from launch.models.spec import Batch
 
 
+def to_device(micro: list[Batch], device: torch.device) -> list[Batch]:
+    """Micro-batches on `device`, copied asynchronously (from pinned memory on CUDA)."""
+    return [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in micro]
+
+
 class BatchKey(NamedTuple):
     """What decides a replica's micro-batches of one step."""
 
@@ -65,7 +70,7 @@ class Prefetcher:
         self._ahead = None
         if self._pool is not None:
             self._ahead = (key.following(), self._pool.submit(self._build, key.following()))
-        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in micro]
+        return to_device(micro, self.device)
 
     def close(self) -> None:
         if self._pool is not None:
