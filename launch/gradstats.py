@@ -42,10 +42,11 @@ def local_grad_sq(pm: ParallelModel) -> torch.Tensor | float:
 
 
 @torch.no_grad()
-def scale_grads(pm: ParallelModel, factor: float) -> None:
+def scale_grads(pm: ParallelModel, factor: torch.Tensor) -> None:
+    """Multiply every local gradient by the 0-d device tensor `factor` (no host read)."""
     grads = [local_tensor(p.grad) for p in pm.model.parameters() if p.grad is not None]
-    if grads and factor != 1.0:
-        torch._foreach_mul_(grads, factor)
+    if grads:
+        torch._foreach_mul_(grads, factor.to(grads[0].dtype))
 
 
 class Preconditioner:

@@ -46,7 +46,6 @@ from launch.device import (
     peak_memory,
     reset_peak_memory,
     shorten_timeouts,
-    synchronize,
     threads_per_rank,
 )
 from launch.gradstats import NoiseNorms, local_grad_sq, scale_grads
@@ -268,16 +267,20 @@ class Worker:
 
     # -- one step ----------------------------------------------------------------------------
 
-    def _reduce(self, values: list[torch.Tensor | float]) -> list[float]:
+    def _sum_over_ranks(self, values: list[torch.Tensor | float]) -> torch.Tensor:
         """Sum a few scalars (host numbers or 0-d device tensors) over all ranks with one all-reduce on the
-        rank's device, and read them: the one host sync of a step."""
+        rank's device; the sums stay there until read."""
         t = torch.tensor([0.0 if isinstance(v, torch.Tensor) else v for v in values], dtype=torch.float64)
         t = t.to(self.device)  # one host-to-device copy for the host numbers
         for i, v in enumerate(values):
             if isinstance(v, torch.Tensor):
                 t[i] = v
         dist.all_reduce(t)
-        return t.tolist()
+        return t
+
+    def _reduce(self, values: list[torch.Tensor | float]) -> list[float]:
+        """`_sum_over_ranks`, read on the host."""
+        return self._sum_over_ranks(values).tolist()
 
     def _memory_slots(self) -> list[float]:
         """This rank's peak memory at its own place among all ranks' (summed over ranks: everyone's)."""
@@ -333,19 +336,7 @@ class Worker:
             stop = command if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
         resize, self.resize_requested = self.resize_requested, None
         writing = self.pending is not None and not self.pending.written()
-        (
-            loss_total,
-            grad_sq,
-            small_sq,
-            big_sq,
-            stop_code,
-            eval_votes,
-            ckpt_votes,
-            writers,
-            new_mbs,
-            new_gbs,
-            *slots,
-        ) = self._reduce(
+        sums = self._sum_over_ranks(
             [
                 loss_sum if self._counts_loss() else 0.0,
                 local_grad_sq(self.pm),
@@ -360,11 +351,26 @@ class Worker:
                 *self._memory_slots(),
             ]
         )
+        if t.grad_clip:  # on the device: clip_grad_norm_'s clamped coefficient, nothing read on the host
+            scale_grads(self.pm, (t.grad_clip / (sums[1].sqrt() + 1e-6)).clamp(max=1.0))
+        self.opt.step()
+        # The step's one host read, after the optimizer step: it waits for the step's work on the
+        # device, so it is also what the step's timing needs.
+        (
+            loss_total,
+            grad_sq,
+            small_sq,
+            big_sq,
+            stop_code,
+            eval_votes,
+            ckpt_votes,
+            writers,
+            new_mbs,
+            new_gbs,
+            *slots,
+        ) = sums.tolist()
         noise = self._update_noise(small_sq, big_sq)
         grad_norm = math.sqrt(grad_sq)
-        if t.grad_clip and grad_norm > t.grad_clip:
-            scale_grads(self.pm, t.grad_clip / (grad_norm + 1e-6))
-        self.opt.step()
         st.step += 1
         st.consumed_samples += s.gbs
         st.progress_tokens += progress_tokens(t.lr_scaling, s.gbs, t.lr_base_gbs or s.gbs, gns, self.seq_len)
@@ -525,8 +531,7 @@ class Worker:
                 reason = "stage_end"
                 break
             t0 = time.perf_counter()
-            out = self.train_step(self.eval_due())
-            synchronize(self.device)  # the optimizer step may still be queued on a GPU
+            out = self.train_step(self.eval_due())  # returns after the device finished the step
             iter_s = time.perf_counter() - t0
             st.time, s = self.now(), out.strategy
             if not self.timeouts_shortened:  # communicators built, shapes inferred: steady-state timeout

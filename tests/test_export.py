@@ -9,7 +9,8 @@ import math
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,22 +36,28 @@ def _cona(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """The run folder of a family, trained on first use: 4 steps under dp1-tp2-pp2."""
-    runs: dict[str, Path] = {}
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+    """Every family's run folder: 4 steps under dp1-tp2-pp2, all trained at once on first use (each run
+    waits mostly on its workers' start)."""
+    futures: dict[str, Future[subprocess.CompletedProcess]] = {}
 
-    def run(family: str) -> Path:
-        if family not in runs:
-            base = tmp_path_factory.mktemp(f"run-{family}")
-            model = {**TINY["model"], "family": family, **MODEL.get(family, {})}
-            doc = {**TINY, "model": model, "strategy": STRATEGY, "train": {**TINY["train"], "max_steps": 4}}
-            cfg = write_config(base / "tiny.yaml", doc)
-            proc = _cona("train", str(cfg), "--run-dir", str(base / "run"), timeout=300)
+    def train(family: str, base: Path) -> subprocess.CompletedProcess:
+        model = {**TINY["model"], "family": family, **MODEL.get(family, {})}
+        doc = {**TINY, "model": model, "strategy": STRATEGY, "train": {**TINY["train"], "max_steps": 4}}
+        cfg = write_config(base / "tiny.yaml", doc)
+        return _cona("train", str(cfg), "--run-dir", str(base / "run"), timeout=300)
+
+    with ThreadPoolExecutor(max_workers=len(_families())) as pool:
+
+        def run(family: str) -> Path:
+            if not futures:
+                for f in _families():
+                    futures[f] = pool.submit(train, f, tmp_path_factory.mktemp(f"run-{f}"))
+            proc = futures[family].result()
             assert proc.returncode == 0, proc.stderr[-3000:]
-            runs[family] = base / "run"
-        return runs[family]
+            return Path(proc.args[proc.args.index("--run-dir") + 1])
 
-    return run
+        yield run
 
 
 def _cona_logits(out: Path, tokens: torch.Tensor) -> torch.Tensor:

@@ -220,3 +220,22 @@ def test_state_round_trips_for_resume() -> None:
     assert again.current.strategy == policy.current.strategy == S16
     assert again.samples == policy.samples and list(again.noise) == list(policy.noise)
     assert again.gns() == policy.gns()
+
+
+def test_the_noise_scale_pools_only_the_running_batch_sizes_estimates() -> None:
+    """Adam's preconditioner describes the batch it was built at, so after a change of batch the GNS
+    forgets the old batch's estimates: it reads the new rung's alone, and none until it has its own."""
+    policy = _policy()
+    small, big = Strategy(4, 1, 1, 2, 8), Strategy(4, 1, 1, 4, 16)
+
+    def row(s: Strategy, step: int, trace: float) -> dict:
+        return {"step": step, "launch": 1, "iter_s": 0.1, **s.to_dict(), "grad_sq_raw": 1.0, "trace_raw": trace}
+
+    for step in range(1, 11):
+        policy._observe_noise(row(small, step, 10.0 + step % 2))
+    assert policy.gns() is not None and 10.0 <= policy.gns().value <= 11.0
+    policy._observe_noise({**row(big, 11, 0.0), "grad_sq_raw": None, "trace_raw": None})  # held after the resize
+    assert policy.gns() is None
+    for step in range(12, 16):
+        policy._observe_noise(row(big, step, 40.0 + step % 2))
+    assert {gbs for gbs, _, _ in policy.noise} == {16} and 40.0 <= policy.gns().value <= 41.0

@@ -280,6 +280,15 @@ def test_gns_vocab_share_prints_estimates_with_and_without_the_vocab_params() ->
         assert [w for w in whole.split()[::2]] == ["P2", "P", "1"] == [w for w in without.split()[::2]], line
 
 
+def test_gns_precond_batch_reads_both_arms_from_one_fork() -> None:
+    args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--gbs", "4", "--other", "8", "--fork-at", "3"]
+    proc = run_script("gns_precond_batch.py", *args, "--arm-steps", "4", "--every", "2", "--batches", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"fork after 3 steps at gbs 4: B_P [\d.]+, raw ", proc.stdout), proc.stdout
+    arms = re.findall(r"^arm gbs +(\d+), \+(\d+) steps: loss [\d.]+  B_P ", proc.stdout, re.M)
+    assert arms == [("4", "2"), ("4", "4"), ("8", "2"), ("8", "4")], proc.stdout
+
+
 def test_paired_trials_prints_the_efficiency_ratio_of_each_trial_length_and_the_long_pair() -> None:
     args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--arms", "4,8", "--mbs", "2", "--at", "40"]
     proc = run_script(

@@ -6,19 +6,19 @@ gradients. Under the default recipe (`launch.lr`, adascale) progress per second 
 so no correction factor is fitted: κ = 1 unless `search.kappa` overrides it.
 
 What it tolerates: every `decision_every` steps, once the running strategy has `min_steps` timed steps
-of its own (the dwell), each candidate's Φ ratio to it is bounded from below at `search.confidence`
-from the step times' spread and the GNS estimate's standard error (`switch_rule.decide`), and a
-candidate is taken only if that bound pays back its switch within the time the run has left. Among
-those that pass, the one with the most progress over that time wins. The candidates: a better layout
-at the running rung and the best predicted strategy of every higher rung (from the search), and the
-best measured strategy of every lower rung (a retreat). A strategy never run competes at the
-model's step time (the paper's rule: predicted, not profiled); once run, at its own measured times,
-so a prediction that was wrong costs one switch and is undone by a confident retreat. One the job
-can resize into (a step to try, a step to leave) competes with the model's error in its bound, and
-one of the next rung up, a rung not yet run, is tried when nothing passes with confidence and it would
-pay were the model off by that error (a probe: `switch_rule`). A time
-measured in an earlier visit also carries the host's drift between blocks of the running strategy's
-steps. The first decision, at the first GNS estimate, may go to any rung.
+of its own (the dwell), each candidate's Φ ratio to it is bounded from below at `search.confidence` from
+the step times' spread and the standard error of the GNS pooled over the running batch size's steps
+(`switch_rule.decide`), and a candidate is taken only if that bound pays back its switch within the time
+the run has left. Among those that pass, the one with the most progress over that time wins. The
+candidates: a better layout at the running rung and the best predicted strategy of every higher rung
+(from the search), and the best measured strategy of every lower rung (a retreat). A strategy never run
+competes at the model's step time (the paper's rule: predicted, not profiled); once run, at its own
+measured times, so a prediction that was wrong costs one switch and is undone by a confident retreat.
+One the job can resize into (a step to try, a step to leave) competes with the model's error in its
+bound, and one of the next rung up, a rung not yet run, is tried when nothing passes with confidence and
+it would pay were the model off by that error (a probe: `switch_rule`). A time measured in an earlier
+visit also carries the host's drift between blocks of the running strategy's steps. The first decision,
+at the first GNS estimate, may go to any rung.
 
 A background thread recalibrates the iteration-time model from the measured step times and reruns
 the search whenever the measurements moved, and after every switch. A decision uses the search
@@ -102,7 +102,7 @@ class ConaPolicy(Policy):
         self.warm_switch_costs: list[float] = []  # measured hand-overs to a ready standby
         self.resize_costs: list[float] = []  # measured in-place resizes
         self.in_place = self.s.in_place
-        # Raw two-batch estimates (samples, |G|², tr Σ) of the last `train.gns_window` samples.
+        # Raw two-batch estimates (gbs, |G|², tr Σ) of the running batch size's last `train.gns_window` samples.
         self.noise: deque[tuple[int, float, float]] = deque()
         self._lock = threading.Lock()
         self._results: dict[int, SearchResult] = {}
@@ -189,9 +189,16 @@ class ConaPolicy(Policy):
         return pooled_noise_scale([g for _, g, _ in self.noise], [t for _, _, t in self.noise], self.s.confidence)
 
     def _observe_noise(self, row: dict[str, Any]) -> None:
+        """Pool the row's two-batch estimate with those of the same batch size only. The noise scale is
+        measured through Adam's preconditioner, whose second moment describes the batch it was built at:
+        from one state, 20–60 steps at gbs 32 read 75–90 where gbs 8 reads 31–40 (docs/switching.md), so
+        estimates from before a change of batch would bias every comparison made after it."""
+        gbs = int(row["gbs"])
+        if self.noise and self.noise[-1][0] != gbs:
+            self.noise.clear()
         if row.get("grad_sq_raw") is None or row.get("trace_raw") is None:
             return  # the worker holds its estimator (start, resize) or has none under this layout
-        self.noise.append((int(row["gbs"]), float(row["grad_sq_raw"]), float(row["trace_raw"])))
+        self.noise.append((gbs, float(row["grad_sq_raw"]), float(row["trace_raw"])))
         window = self.cfg.train.gns_window
         while sum(n for n, _, _ in self.noise) - self.noise[0][0] >= window:
             self.noise.popleft()
