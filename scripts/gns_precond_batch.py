@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import sys
 from pathlib import Path
 
@@ -39,24 +38,10 @@ def main() -> None:
     if args.batches < 2 or min(args.gbs, args.other, args.every, args.arm_steps) < 1 or args.fork_at < 1:
         ap.error("--batches must be >= 2; --gbs, --other, --every, --arm-steps and --fork-at >= 1")
 
-    import torch
+    from gns_vocab_share import one_process_run, preconditioned_estimate
 
-    from cona_cli.config import load_config
-    from cona_cli.gns import two_batch_estimate
-    from launch.data.corpus import prepare_corpus
-    from launch.data.sampling import TokenStream
-    from launch.materialise import build_model
-    from launch.models import get_spec
-    from launch.optimizer import adamw
-
-    cfg = load_config(args.config, {"data.path": args.data} if args.data else None)
+    torch, model, opt, stream, spec, cfg = one_process_run(args.config, args.data)
     m, t = cfg.model, cfg.train
-    torch.manual_seed(t.seed)
-    spec = get_spec(m.family)
-    corpus = prepare_corpus(cfg.data, t.seed, spec.special_tokens)
-    model = build_model(spec, m, corpus.vocab_size, t.seed, torch.device("cpu"), 0, 1)
-    stream = TokenStream(corpus.train_path, m.seq_len, t.seed, spec.batch(corpus.vocab_size))
-    opt = adamw(model, t.lr, (t.beta1, t.beta2), t.weight_decay)
     names = [k for k, _ in model.named_parameters() if k not in spec.vocab_params]
     b, n = args.gbs, args.batches
 
@@ -80,29 +65,17 @@ def main() -> None:
         for i in range(n):
             backward(HELD_OUT + (k * n + i) * b, b)
             grads.append({name: p.grad.detach().clone() for name, p in model.named_parameters() if name in names})
-        out = []
-        for power in (2, 0):
-            weight = {}
-            for name, p in model.named_parameters():
-                if name in names:
-                    state = opt.state[p]
-                    v_hat = state["exp_avg_sq"] / (1 - t.beta2 ** float(state["step"]))
-                    weight[name] = (1 / (v_hat.sqrt() + opt.param_groups[0]["eps"])) ** power
-
-            def sq(g: dict[str, torch.Tensor], weight: dict[str, torch.Tensor] = weight) -> float:
-                return sum(float((g[k].double() ** 2 * weight[k]).sum()) for k in names)
-
-            mean = {k: sum(g[k] for g in grads) / n for k in names}
-            grad_sq, trace = two_batch_estimate(b, sum(sq(g) for g in grads) / n, b * n, sq(mean))
-            out.append(trace / grad_sq if grad_sq > 0 else math.inf)
-        return out[0], out[1]
+        return tuple(preconditioned_estimate(model, opt, grads, b, power, names) for power in (2, 0))
 
     consumed = 0
     for i in range(args.fork_at):
         step(consumed, b, t.lr * min(1.0, (i + 1) * b * m.seq_len / max(t.warmup_tokens, 1)))
         consumed += b
     pre, raw = read(0)
-    print(f"{args.config}: {m.family}; fork after {args.fork_at} steps at gbs {b}: B_P {pre:.1f}, raw {raw:.1f}")
+    print(
+        f"{args.config}: {m.family}; fork after {args.fork_at} steps at gbs {b}: B_P {pre:.1f}, raw {raw:.1f}",
+        flush=True,
+    )
     state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     for arm in (b, args.other):
         model.load_state_dict(state[0])

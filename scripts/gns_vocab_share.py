@@ -25,6 +25,48 @@ HELD_OUT = 50_000_000  # sample index where the measuring batches start (epochs 
 WEIGHTS = (("P2", 2), ("P", 1), ("1", 0))
 
 
+def one_process_run(config: str, data: str | None) -> tuple:
+    """(torch, model, AdamW, train stream, family spec, config): the config's seeded model in one process."""
+    import torch
+
+    from cona_cli.config import load_config
+    from launch.data.corpus import prepare_corpus
+    from launch.data.sampling import TokenStream
+    from launch.materialise import build_model
+    from launch.models import get_spec
+    from launch.optimizer import adamw
+
+    cfg = load_config(config, {"data.path": data} if data else None)
+    m, t = cfg.model, cfg.train
+    torch.manual_seed(t.seed)
+    spec = get_spec(m.family)
+    corpus = prepare_corpus(cfg.data, t.seed, spec.special_tokens)
+    model = build_model(spec, m, corpus.vocab_size, t.seed, torch.device("cpu"), 0, 1)
+    stream = TokenStream(corpus.train_path, m.seq_len, t.seed, spec.batch(corpus.vocab_size))
+    return torch, model, adamw(model, t.lr, (t.beta1, t.beta2), t.weight_decay), stream, spec, cfg
+
+
+def preconditioned_estimate(model, opt, grads: list[dict], b: int, power: int, names: list[str]) -> float:
+    """B = tr(W Σ) / Gᵀ W G over `names` from independent batches of `b` samples' gradients, W = P^power
+    (P = 1/(√v̂ + ε) from `opt`'s second moment; power 0: the raw estimate)."""
+    from cona_cli.gns import two_batch_estimate
+
+    beta2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
+    weight = {}
+    for k, p in model.named_parameters():
+        if k in names:
+            state = opt.state[p]
+            weight[k] = (1 / ((state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))).sqrt() + eps)) ** power
+
+    def sq(g: dict) -> float:
+        return sum(float((g[k].double() ** 2 * weight[k]).sum()) for k in names)
+
+    n = len(grads)
+    mean = {k: sum(g[k] for g in grads) / n for k in names}
+    grad_sq, trace = two_batch_estimate(b, sum(sq(g) for g in grads) / n, b * n, sq(mean))
+    return trace / grad_sq if grad_sq > 0 else math.inf
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="gns_vocab_share.py", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "wikitext2-commheavy.yaml"))
@@ -37,24 +79,8 @@ def main() -> None:
     if args.batches < 2 or args.gbs < 1 or args.every < 1:
         ap.error("--batches must be >= 2, --gbs and --every >= 1")
 
-    import torch
-
-    from cona_cli.config import load_config
-    from cona_cli.gns import two_batch_estimate
-    from launch.data.corpus import prepare_corpus
-    from launch.data.sampling import TokenStream
-    from launch.materialise import build_model
-    from launch.models import get_spec
-    from launch.optimizer import adamw
-
-    cfg = load_config(args.config, {"data.path": args.data} if args.data else None)
+    torch, model, opt, stream, spec, cfg = one_process_run(args.config, args.data)
     m, t = cfg.model, cfg.train
-    torch.manual_seed(t.seed)
-    spec = get_spec(m.family)
-    corpus = prepare_corpus(cfg.data, t.seed, spec.special_tokens)
-    model = build_model(spec, m, corpus.vocab_size, t.seed, torch.device("cpu"), 0, 1)
-    stream = TokenStream(corpus.train_path, m.seq_len, t.seed, spec.batch(corpus.vocab_size))
-    opt = adamw(model, t.lr, (t.beta1, t.beta2), t.weight_decay)
     b, n = args.gbs, args.batches
     print(f"{args.config}: {m.family}, vocab_params {', '.join(spec.vocab_params)}; gbs {b}, {n} batches per read")
 
@@ -70,18 +96,7 @@ def main() -> None:
         return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
     def estimate(grads: list[dict[str, torch.Tensor]], power: int, names: list[str]) -> float:
-        precond = {}
-        for k, p in model.named_parameters():
-            state = opt.state[p]
-            v_hat = state["exp_avg_sq"] / (1 - t.beta2 ** float(state["step"]))
-            precond[k] = (1 / (v_hat.sqrt() + opt.param_groups[0]["eps"])) ** power
-
-        def sq(g: dict[str, torch.Tensor]) -> float:
-            return sum(float((g[k].double() ** 2 * precond[k]).sum()) for k in names)
-
-        mean = {k: sum(g[k] for g in grads) / n for k in names}
-        grad_sq, trace = two_batch_estimate(b, sum(sq(g) for g in grads) / n, b * n, sq(mean))
-        return trace / grad_sq if grad_sq > 0 else math.inf
+        return preconditioned_estimate(model, opt, grads, b, power, names)
 
     every_name = [k for k, _ in model.named_parameters()]
     counted = [k for k in every_name if k not in spec.vocab_params]
