@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 
 from cona_cli.config import ModelConfig
 from launch.data.tokenize import byte_tokenizer
-from launch.models import get_spec
+from launch.models import SPECIAL_TOKENS, get_spec
 from launch.models.spec import HFExport
 
 # Special tokens by their conventional text -> the transformers roles they take.
@@ -143,7 +143,7 @@ def export(
     `vocab_size` is the tokenizer's; the model's embedding holds `padded_vocab(vocab_size)` rows."""
     hf = hf_mapping(m.family) if fmt == "hf" else None
     state = consolidated_state(ckpt, m, vocab_size)
-    token_ids = write_tokenizer(tokenizer_path, get_spec(m.family).special_tokens, m.seq_len, out, pretokenized)
+    token_ids = write_tokenizer(tokenizer_path, SPECIAL_TOKENS[m.family], m.seq_len, out, pretokenized)
     if hf is not None:
         write_hf(hf, state, m, vocab_size, token_ids, out)
     else:

@@ -33,14 +33,14 @@ def one_process_run(config: str, data: str | None) -> tuple:
     from launch.data.corpus import prepare_corpus
     from launch.data.sampling import TokenStream
     from launch.materialise import build_model
-    from launch.models import get_spec
+    from launch.models import SPECIAL_TOKENS, get_spec
     from launch.optimizer import adamw
 
     cfg = load_config(config, {"data.path": data} if data else None)
     m, t = cfg.model, cfg.train
     torch.manual_seed(t.seed)
     spec = get_spec(m.family)
-    corpus = prepare_corpus(cfg.data, t.seed, spec.special_tokens)
+    corpus = prepare_corpus(cfg.data, t.seed, SPECIAL_TOKENS[m.family])
     model = build_model(spec, m, corpus.vocab_size, t.seed, torch.device("cpu"), 0, 1)
     stream = TokenStream(corpus.train_path, m.seq_len, t.seed, spec.batch(corpus.vocab_size))
     return torch, model, adamw(model, t.lr, (t.beta1, t.beta2), t.weight_decay), stream, spec, cfg

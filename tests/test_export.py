@@ -77,7 +77,7 @@ def test_hf_export_matches_cona(family: str, trained: Callable[[str], Path], tmp
     import transformers
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from launch.models import get_spec
+    from launch.models import SPECIAL_TOKENS, get_spec
 
     run = trained(family)
     evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -109,7 +109,7 @@ def test_hf_export_matches_cona(family: str, trained: Callable[[str], Path], tmp
     text = "tha brou, kai.\n"
     assert tok(text)["input_ids"] == list(text.encode())  # the byte-level run: one id per byte
     assert tok.decode(list(text.encode())) == text
-    specials = get_spec(family).special_tokens  # the ids after the corpus's, as in training
+    specials = SPECIAL_TOKENS[family]  # the ids after the corpus's, as in training
     assert tok.convert_tokens_to_ids(list(specials)) == list(range(vocab - len(specials), vocab))
     assert ("[MASK]" in specials) == (tok.mask_token == "[MASK]")
 

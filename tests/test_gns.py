@@ -79,11 +79,11 @@ def _family_run_dir(run_dir: Path, family: str) -> None:
     """Turn the tiny run folder into one of `family` (its model, and its corpus with its special tokens)."""
     from cona_cli.config import config_from_dict
     from launch.data.corpus import prepare_corpus
-    from launch.models import get_spec
+    from launch.models import SPECIAL_TOKENS
 
     cfg = config_from_dict({**TINY, "model": {**TINY["model"], "family": family, **FAMILY_MODEL[family]}}, "tiny")
     (run_dir / "config.resolved.json").write_text(json.dumps(cfg.to_raw()))
-    corpus = prepare_corpus(cfg.data, seed=cfg.train.seed, special_tokens=get_spec(family).special_tokens)
+    corpus = prepare_corpus(cfg.data, seed=cfg.train.seed, special_tokens=SPECIAL_TOKENS[family])
     (run_dir / "corpus.json").write_text(corpus.to_json())
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import filesystem
 
+from cona_cli.cluster import nodes as nodes_module
 from cona_cli.cluster.launchers import NODE_THREADS, LocalLauncher, SlurmLauncher, SshLauncher
 from cona_cli.cluster.nodes import Node, local_device_envs, resolve_nodes
 from cona_cli.config import ConfigError, config_from_dict
@@ -218,6 +219,7 @@ def test_local_nodes_get_their_own_gpus_or_a_one_line_refusal(monkeypatch: pytes
     assert local_device_envs(_cluster(nodes=2, procs_per_node=2), []) == [{}, {}]  # auto on CPUs: gloo
     assert local_device_envs(_cluster(nodes=2, procs_per_node=2, backend="gloo"), ["0"]) == [{}, {}]
     # through resolve_nodes, with this machine's GPUs faked (and a CUDA_VISIBLE_DEVICES of the user's)
+    monkeypatch.setattr(nodes_module, "gpu_device_nodes", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e")
     nodes = resolve_nodes(_cluster(nodes=2, procs_per_node=2))
@@ -227,6 +229,30 @@ def test_local_nodes_get_their_own_gpus_or_a_one_line_refusal(monkeypatch: pytes
         nodes, lambda n: [sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"], {}
     )
     assert [a.proc.communicate(timeout=60)[0].strip() for a in agents] == ["GPU-a,GPU-b", "GPU-c,GPU-d"]
+
+
+@pytest.mark.skipif(nodes_module.gpu_device_nodes(), reason="this machine has a GPU device node")
+def test_the_controller_prepares_a_run_and_its_nodes_without_importing_torch_where_no_gpu_exists(
+    tmp_path: Path,
+) -> None:
+    """`cona train`'s own process (the corpus, the run folder, the local nodes' devices) on a machine
+    without GPUs: torch's import would add seconds to every start and resume."""
+    cfg = write_config(tmp_path / "c.yaml", TINY)
+    code = f"""if True:
+        import sys
+        from pathlib import Path
+        from cona_cli.cluster.nodes import resolve_nodes
+        from cona_cli.config import load_config
+        from cona_cli.control.run_setup import prepare_run_dir
+        cfg = load_config({str(cfg)!r})
+        prepare_run_dir(Path({str(tmp_path / "run")!r}), Path({str(cfg)!r}), cfg)
+        print(len(resolve_nodes(cfg.cluster)), "torch" in sys.modules)
+    """
+    env = {**os.environ, "CONA_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["1", "False"]
+    assert (tmp_path / "run" / "corpus.json").is_file()
 
 
 def test_backend_nccl_without_gpus_is_refused_before_anything_starts(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ otherwise be the same GPUs on every node: NCCL's "Duplicate GPU detected").
 
 from __future__ import annotations
 
+import glob
 import os
 import socket
 import sys
@@ -57,9 +58,17 @@ def resolve_nodes(cluster: ClusterConfig, environ: Mapping[str, str] | None = No
     return [Node(i, f"node{i}", addr, envs[i], workdir) for i in range(cluster.nodes)]
 
 
+def gpu_device_nodes() -> bool:
+    """Whether this machine has a GPU device node (NVIDIA's /dev/nvidiaN, ROCm's /dev/kfd): without one no
+    CUDA or HIP runtime sees a GPU."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
+
+
 def visible_gpus() -> list[str]:
     """This machine's GPUs as this process sees them: CUDA_VISIBLE_DEVICES entries (numbers or UUIDs), else
     0..n-1 (torch counts them through NVML, without creating a CUDA context)."""
+    if not gpu_device_nodes():  # torch's import costs the controller's start seconds
+        return []
     import torch  # only here: the rest of the controller's start does not need it
 
     count = torch.cuda.device_count()

@@ -121,9 +121,9 @@ def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
     run = RunDir(run_dir)
     if run.holds_run():
         raise ConfigError(f"--run-dir: {run_dir} already holds a run; choose a new folder or --resume it")
-    from launch.data.corpus import prepare_corpus  # imports torch: only once the config is valid
+    from launch.data.corpus import prepare_corpus  # tokenizers: only once the config is valid
     from launch.data.sources import DataError
-    from launch.models import get_spec
+    from launch.models import SPECIAL_TOKENS
 
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(config, run.config_copy)
@@ -132,7 +132,7 @@ def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
     if cfg.cluster.launcher != "local" and data.cache_dir is None:  # the nodes read tokens from shared storage
         data = dataclasses.replace(data, cache_dir=str(run.data.absolute()))
     try:
-        corpus = prepare_corpus(data, seed=cfg.train.seed, special_tokens=get_spec(cfg.model.family).special_tokens)
+        corpus = prepare_corpus(data, seed=cfg.train.seed, special_tokens=SPECIAL_TOKENS[cfg.model.family])
     except DataError as e:
         raise ConfigError(str(e)) from None
     run.corpus.write_text(corpus.to_json())

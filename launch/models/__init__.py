@@ -1,7 +1,7 @@
 """Model families behind a small registry: `model.family` in the config picks one.
 
-Importing this package does not import torch: `model_shape` serves the planner, `get_spec`
-imports the family's module (torch) for the engine. A new family is one module exporting `SPEC`
+Importing this package does not import torch: `model_shape` serves the planner and `SPECIAL_TOKENS`
+the corpus, `get_spec` imports the family's module (torch) for the engine. A new family is one module exporting `SPEC`
 (see `launch.models.spec`) and one line in each table below.
 """
 
@@ -25,6 +25,13 @@ SHAPES: dict[str, Callable[[ModelConfig, int], ModelShape]] = {
     "llama": llama_shape,
     "bert": bert_shape,
 }
+SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
+    "gpt": (),
+    "llama": (),
+    "bert": ("[PAD]", "[CLS]", "[SEP]", "[MASK]"),  # [MASK] last: id vocab_size - 1
+}
+"""Tokens each family's tokenizer adds after the corpus's own (the corpus cache key includes them): the
+controller prepares the corpus with them, without importing torch."""
 
 
 VOCAB_MULTIPLE = 128  # Megatron's make-vocab-size-divisible-by: tp 1, 2, 4, 8 (any power of two to 128) divide it

@@ -22,13 +22,14 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from cona_cli.config import ModelConfig
+from launch.models import SPECIAL_TOKENS as FAMILY_TOKENS
 from launch.models.common import TiedHead, block_tp_plan, keep_stage, lm_loss, normal_init, tied_head_style
 from launch.models.shape import bert_shape
 from launch.models.spec import IGNORE_INDEX, Batch, BatchFn, HFExport, ModelSpec
 
 NORM_EPS = 1e-12
 MASK_RATE = 0.15
-SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")  # [MASK] last: id vocab_size - 1
+SPECIAL_TOKENS = FAMILY_TOKENS["bert"]  # [MASK] last: id vocab_size - 1
 TOKEN_TYPES = 2
 
 
@@ -224,7 +225,6 @@ SPEC = ModelSpec(
     shape=bert_shape,
     hf=HFExport("BertForMaskedLM", hf_config, hf_tensors),
     target_fraction=MASK_RATE,
-    special_tokens=SPECIAL_TOKENS,
     tied=("tok_embeddings.weight",),
     vocab_params=("tok_embeddings.weight", "head.bias"),
 )

@@ -3,7 +3,7 @@
 The trainer and `parallelize()` know nothing about a family beyond this. Conventions a family's
 module keeps: its blocks live in an `nn.ModuleDict` named `layers` keyed by global index (so a
 pipeline stage keeps the whole model's parameter names), and it has `init_weights(seed)`, seeded and
-identical whatever the layout. A family's special tokens (`special_tokens`) follow the corpus's own
+identical whatever the layout. A family's special tokens (`launch.models.SPECIAL_TOKENS`) follow the corpus's own
 tokens: with a vocabulary of V ids in all, the k specials are ids V - k .. V - 1 in their order.
 """
 
@@ -69,8 +69,6 @@ class ModelSpec:
     """The Hugging Face mapping, if the family has one."""
     target_fraction: float = 1.0
     """Expected share of positions that are targets (masked LM: the masking rate)."""
-    special_tokens: tuple[str, ...] = ()
-    """Tokens the tokenizer adds after the corpus's own (the corpus cache key includes them)."""
     tied: tuple[str, ...] = ()
     """Parameters the first and the last pipeline stage both hold (tied input/output embeddings)."""
     vocab_params: tuple[str, ...] = ()

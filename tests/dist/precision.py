@@ -19,7 +19,7 @@ from launch.worker import Worker
 from tests.dist.common import start
 from tests.dist.layouts import LAYOUTS, reference_losses
 
-STEPS = 3
+STEPS = 2
 HOST_READS = {
     torch.Tensor.item,
     torch.Tensor.tolist,
