@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cona_cli.config import Config
 from cona_cli.strategy import Strategy
 from launch import checkpoint
-from launch.materialise import build_model
+from launch.materialise import build_unallocated
 from launch.models import get_spec
 from launch.optimizer import adamw
 from launch.parallelize import ParallelModel, build_mesh, parallelize
@@ -32,9 +32,9 @@ def build_layout(cfg: Config, strategy: Strategy, device: torch.device, vocab: i
     t, search = cfg.train, cfg.search
     spec = get_spec(cfg.model.family)
     mesh = build_mesh(strategy, device.type)
-    model = build_model(spec, cfg.model, vocab, t.seed, device, mesh["pp"].get_local_rank(), strategy.pp)
+    whole = build_unallocated(spec, cfg.model, vocab, t.seed)
     pm = parallelize(
-        model,
+        whole.model,
         mesh,
         strategy,
         spec,
@@ -43,6 +43,7 @@ def build_layout(cfg: Config, strategy: Strategy, device: torch.device, vocab: i
         precision=search.precision,
         recompute=search.recompute,
         device=device,
+        materialise=whole.materialise,
     )
     opt = adamw(pm.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     return Layout(strategy, mesh, pm, opt)

@@ -1,21 +1,27 @@
-"""Build a model without allocating its parameters, then give this rank's pipeline stage real memory.
+"""Build a model without allocating its parameters; once `parallelize` has split and sharded it, give this
+rank's pieces real memory, with the same values whatever the layout.
 
-The model is built with its parameters on the meta device (each is created by its module and moved
-there at once, so at most one parameter is ever allocated on the host) and its buffers computed as
-usual on the host. The parameters this stage keeps are then allocated on the rank's device, buffers
-moved there, and the family's seeded `init_weights` runs over the whole model: every layout draws the
-same numbers in the same order (parameters left on meta draw and discard theirs).
+The model is built with its parameters on the meta device (each is created by its module and moved there
+at once, so at most one parameter is ever allocated on the host) and its buffers computed as usual on the
+host. `parallelize` splits it into pipeline stages and shards it (TP, FSDP) on meta, then calls
+`materialise`: `to_empty` allocates the rank's pieces on its device (and re-links FSDP's sharded
+parameters), the buffers get their values back, and the family's seeded init draws every whole parameter
+of the model on the host, one at a time and in the same order under every layout, of which each rank
+keeps its own slice (`copy_values`). A rank's peak while it starts is thus its pieces plus one whole
+parameter, not its stage unsharded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from cona_cli.config import ModelConfig
+from launch.models.common import copy_values
 from launch.models.spec import ModelSpec
 
 META = torch.device("meta")
@@ -38,28 +44,32 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def _replace(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    owner, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(owner), leaf, value)
+@dataclass
+class Unallocated:
+    """A whole model with its parameters on meta, and what `materialise` gives it once it is sharded."""
+
+    model: nn.Module
+    values: Iterator[tuple[str, torch.Tensor]]  # the seeded init of the whole model, drawn as taken
+    buffers: dict[str, torch.Tensor]  # by name, on the host (`to_empty` drops their values)
+
+    def materialise(self, model: nn.Module, device: torch.device) -> None:
+        """Allocate what `model` (this model, split and sharded) holds on `device` and set its values."""
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(self.buffers[name])
+        copy_values(model, self.values)
 
 
-def build_model(
-    spec: ModelSpec, m: ModelConfig, vocab: int, seed: int, device: torch.device, pp_rank: int, pp: int
-) -> nn.Module:
-    """The seeded model with stage `pp_rank` of `pp`'s parameters and all buffers on `device` (others on meta)."""
+def build_unallocated(spec: ModelSpec, m: ModelConfig, vocab: int, seed: int) -> Unallocated:
+    """The seeded model of `spec`, nothing allocated but its buffers."""
     with _parameters_on_meta():
         model = spec.build(m, vocab)
-    with torch.device(META):
-        stage = spec.build(m, vocab)
-    spec.pipeline_split(stage, pp_rank, pp)
-    owned = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
-    real: dict[int, nn.Parameter] = {}  # by the meta parameter's id: tied parameters stay tied
-    for name, p in list(model.named_parameters(remove_duplicate=False)):
-        if name in owned:
-            if id(p) not in real:
-                real[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-            _replace(model, name, real[id(p)])
-    for name, b in list(model.named_buffers()):
-        _replace(model, name, b.to(device))
-    model.init_weights(seed)
-    return model
+    return Unallocated(model, model.init_values(seed), {n: b.clone() for n, b in model.named_buffers()})
+
+
+def build_model(spec: ModelSpec, m: ModelConfig, vocab: int, seed: int, device: torch.device) -> nn.Module:
+    """The whole seeded model on `device` (one process: no layout to shard it for)."""
+    whole = build_unallocated(spec, m, vocab, seed)
+    whole.materialise(whole.model, device)
+    return whole.model

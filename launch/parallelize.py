@@ -160,10 +160,13 @@ def parallelize(
     precision: str = "fp32",
     recompute: bool = False,
     device: torch.device | None = None,
+    materialise: Callable[[nn.Module, torch.device], None] | None = None,
 ) -> ParallelModel:
-    """Apply the layout in a fixed order: pipeline split, tensor parallel, recompute, data parallel (with
-    FSDP2's mixed precision, else autocast), schedule. `device`: where the model lives (default: the
-    process group's device)."""
+    """Apply the layout in a fixed order: pipeline split, tensor parallel, recompute, FSDP (with its mixed
+    precision), `materialise`, then DDP or autocast, the tied weights' group and the schedule. `device`:
+    where the model lives (default: the process group's device). `materialise(model, device)`: for a model
+    built on the meta device (`launch.materialise`), allocates and initialises the rank's pieces once
+    they are sharded."""
     device = device or group_device()
     precision = resolve_precision(precision, device)
     if strategy.tp > 1:
@@ -186,7 +189,9 @@ def parallelize(
         for block in model.layers.values():
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    else:
+    if materialise is not None:
+        materialise(model, device)
+    if dp_impl != "fsdp":
         autocast_forward(model, precision, device)
         if strategy.dp > 1 and strategy.tp == 1 and strategy.pp == 1:
             # gradient_as_bucket_view: each `.grad` is a view into DDP's fp32 bucket, not a second copy

@@ -41,7 +41,7 @@ def one_process_run(config: str, data: str | None) -> tuple:
     torch.manual_seed(t.seed)
     spec = get_spec(m.family)
     corpus = prepare_corpus(cfg.data, t.seed, SPECIAL_TOKENS[m.family])
-    model = build_model(spec, m, corpus.vocab_size, t.seed, torch.device("cpu"), 0, 1)
+    model = build_model(spec, m, corpus.vocab_size, t.seed, torch.device("cpu"))
     stream = TokenStream(corpus.train_path, m.seq_len, t.seed, spec.batch(corpus.vocab_size))
     return torch, model, adamw(model, t.lr, (t.beta1, t.beta2), t.weight_decay), stream, spec, cfg
 

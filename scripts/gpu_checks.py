@@ -75,7 +75,7 @@ def plain_losses(
     """A plain single-device loop (same init, data, clipping, AdamW, LR): losses and median step seconds."""
     m, t = cfg.model, cfg.train
     spec = get_spec(m.family)
-    model = build_model(spec, m, corpus.vocab_size, t.seed, device, 0, 1)
+    model = build_model(spec, m, corpus.vocab_size, t.seed, device)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     stream = TokenStream(corpus.train_path, m.seq_len, t.seed, spec.batch(corpus.vocab_size))
     losses, times = [], []

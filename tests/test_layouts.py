@@ -98,6 +98,17 @@ def test_an_in_place_resize_continues_as_a_relaunch_would(results: dict) -> None
         assert abs(r["eval"][0] - r["eval"][1]) <= 1e-5, r
 
 
+def test_a_model_that_fits_only_sharded_is_built_sharded_with_the_same_values(results: dict) -> None:
+    """Materialised after FSDP shards it: each rank's peak grows by its quarter and one whole parameter,
+    well below the whole model in fp32 (which the old build allocated first), with the same init."""
+    if results["family"] != "gpt":
+        pytest.skip("run for the GPT family only")
+    r = results["sharded_start"]
+    assert r["equal"], r
+    assert r["whole_bytes"] > 150 * 2**20, r
+    assert max(r["growth"]) < 0.6 * r["whole_bytes"], r  # a quarter, plus one whole 4 MiB-to-16 MiB parameter
+
+
 def test_a_restored_snapshot_replays_its_steps_exactly(results: dict) -> None:
     """The in-memory snapshot (paired trials) under DDP+TP, PP and FSDP: after two steps and another
     (at the doubled batch where pp = 1), restoring it repeats the same two steps bit for bit (GPT only)."""

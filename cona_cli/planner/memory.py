@@ -89,7 +89,8 @@ def memory_bytes(x: np.ndarray, w: Workload, hw: HardwareProfile | None = None) 
 
 def startup_bytes(x: np.ndarray, w: Workload) -> np.ndarray:
     """Peak bytes per device while a launch builds its model, for rows x = (dp, tp, pp, mbs, gbs):
-    `launch.materialise` allocates the rank's pipeline stage whole, in fp32, and TP and FSDP shard it
-    only afterwards (one module at a time, so the whole stage is the peak)."""
-    pp = x[:, 2].astype(np.float64)
-    return w.stage_params(np.ones_like(pp), pp) * GRAD_BYTES
+    `launch.materialise` allocates the rank's pieces as they will train (fp32, sharded by TP and FSDP)
+    and draws the parameters whole, one at a time, each moved to the device to be sliced there."""
+    dp, tp, pp = (x[:, i].astype(np.float64) for i in range(3))
+    pieces = w.stage_params(tp, pp) * GRAD_BYTES
+    return (pieces / dp if w.dp_impl == "fsdp" else pieces) + w.shape.largest_param * GRAD_BYTES

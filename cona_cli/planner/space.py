@@ -94,7 +94,7 @@ def enumerate_space(cfg: Config, hw: HardwareProfile, ladder: list[int] | None =
     rejected += [
         (s, f"memory {n / 2**30:.1f} GiB > {margin}")
         if n > budget
-        else (s, f"memory {b / 2**30:.1f} GiB > {margin} while the stage is built whole, before TP/FSDP shard it")
+        else (s, f"memory {b / 2**30:.1f} GiB > {margin} while it starts (its pieces and the largest whole parameter)")
         for s, n, b, ok in zip(candidates, need, start, fits)
         if not ok
     ]

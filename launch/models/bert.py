@@ -12,6 +12,7 @@ sum by the exact number of targets, so the perplexity is exp(mean loss over mask
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,15 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from cona_cli.config import ModelConfig
 from launch.models import SPECIAL_TOKENS as FAMILY_TOKENS
-from launch.models.common import TiedHead, block_tp_plan, keep_stage, lm_loss, normal_init, tied_head_style
+from launch.models.common import (
+    TiedHead,
+    block_tp_plan,
+    copy_values,
+    keep_stage,
+    lm_loss,
+    normal_init_values,
+    tied_head_style,
+)
 from launch.models.shape import bert_shape
 from launch.models.spec import IGNORE_INDEX, Batch, BatchFn, HFExport, ModelSpec
 
@@ -104,8 +113,11 @@ class BERT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(m) for i in range(m.n_layers)})
         self.head: MLMHead | None = MLMHead(m.d_model, vocab_size)
 
+    def init_values(self, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+        return normal_init_values(self, seed, self.n_layers, residual=())
+
     def init_weights(self, seed: int) -> None:
-        normal_init(self, seed, self.n_layers, residual=())
+        copy_values(self, self.init_values(seed))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [b, t] (one segment: token type 0) -> MLM logits [b, t, vocab]; a pipeline stage maps

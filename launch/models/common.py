@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInputOutput, RowwiseParallel
 
 from launch.models.spec import IGNORE_INDEX
@@ -24,19 +25,41 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, target_fraction: float 
     return ce / (targets.numel() * target_fraction)
 
 
-@torch.no_grad()
-def normal_init(model: nn.Module, seed: int, n_layers: int, residual: tuple[str, ...]) -> None:
-    """GPT-2 style init, seeded and identical whatever the layout (call before parallelising): N(0, 0.02)
-    matrices, N(0, 0.02 / sqrt(2 n_layers)) for the `residual` output projections, norm weights 1, biases 0."""
+def normal_init_values(
+    model: nn.Module, seed: int, n_layers: int, residual: tuple[str, ...]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """GPT-2 style init of the parameters `model` holds now, by name, one full tensor at a time in a seeded
+    order: N(0, 0.02) matrices, N(0, 0.02 / sqrt(2 n_layers)) for the `residual` output projections, norm
+    weights 1, biases 0. Called on the whole model (before any pipeline split or sharding) it gives the
+    same values whatever the layout (the names are read now, the values drawn as they are taken)."""
+    shapes = sorted((name, p.shape) for name, p in model.named_parameters())
     g = torch.Generator().manual_seed(seed)
-    for name, p in sorted(model.named_parameters()):
-        if name.endswith("bias"):
-            nn.init.zeros_(p)
-        elif p.dim() == 1:
-            nn.init.ones_(p)
-        else:
-            std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(residual) else 0.02
-            p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def values() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, shape in shapes:
+            if name.endswith("bias"):
+                yield name, torch.zeros(shape)
+            elif len(shape) == 1:
+                yield name, torch.ones(shape)
+            else:
+                std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(residual) else 0.02
+                yield name, torch.randn(shape, generator=g) * std
+
+    return values()
+
+
+@torch.no_grad()
+def copy_values(model: nn.Module, values: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Set `model`'s parameters from (name, whole value) pairs: a plain parameter takes it whole, a DTensor
+    (TP, FSDP) this rank's slice of it, cut locally (no communication); a name `model` does not hold
+    (another pipeline stage's) is skipped."""
+    params = dict(model.named_parameters())
+    for name, value in values:
+        p = params.get(name)
+        if isinstance(p, DTensor):
+            p.copy_(distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None))
+        elif p is not None:
+            p.copy_(value)
 
 
 def keep_stage(model: nn.Module, pp_rank: int, pp: int, first: tuple[str, ...], last: tuple[str, ...]) -> None:

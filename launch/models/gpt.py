@@ -10,6 +10,7 @@ projections (column-parallel under TP); the export concatenates them into GPT-2'
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,7 +20,15 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from cona_cli.config import ModelConfig
-from launch.models.common import TiedHead, block_tp_plan, keep_stage, lm_loss, normal_init, tied_head_style
+from launch.models.common import (
+    TiedHead,
+    block_tp_plan,
+    copy_values,
+    keep_stage,
+    lm_loss,
+    normal_init_values,
+    tied_head_style,
+)
 from launch.models.shape import gpt_shape
 from launch.models.spec import HFExport, ModelSpec, causal_lm_batch
 
@@ -80,8 +89,11 @@ class GPT(nn.Module):
         self.norm: nn.LayerNorm | None = nn.LayerNorm(m.d_model, eps=NORM_EPS)
         self.output: TiedHead | None = TiedHead()
 
+    def init_values(self, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+        return normal_init_values(self, seed, self.n_layers, residual=("wo.weight", "w2.weight"))
+
     def init_weights(self, seed: int) -> None:
-        normal_init(self, seed, self.n_layers, residual=("wo.weight", "w2.weight"))
+        copy_values(self, self.init_values(seed))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [b, t] -> logits [b, t, vocab]; a pipeline stage maps hidden -> hidden as it holds."""

@@ -8,6 +8,7 @@ rotates the two halves of each head (Hugging Face's `rotate_half`), so the expor
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from cona_cli.config import ModelConfig
-from launch.models.common import block_tp_plan, keep_stage, lm_loss, normal_init
+from launch.models.common import block_tp_plan, copy_values, keep_stage, lm_loss, normal_init_values
 from launch.models.shape import llama_shape
 from launch.models.spec import HFExport, ModelSpec, causal_lm_batch
 
@@ -105,8 +106,11 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def init_values(self, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+        return normal_init_values(self, seed, self.n_layers, residual=("wo.weight", "w2.weight"))
+
     def init_weights(self, seed: int) -> None:
-        normal_init(self, seed, self.n_layers, residual=("wo.weight", "w2.weight"))
+        copy_values(self, self.init_values(seed))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [b, t] -> logits [b, t, vocab]; a pipeline stage maps hidden -> hidden as it holds."""

@@ -75,6 +75,12 @@ class ModelShape:
         return self.vocab * self.d_model if self.tied_embeddings else 0
 
     @property
+    def largest_param(self) -> int:
+        """The largest single parameter: the embedding (or output) matrix, an MLP or attention matrix, or the
+        position rows, each d_model wide."""
+        return max(self.vocab, self.ffn, self.d_model, self.position_rows) * self.d_model
+
+    @property
     def total_params(self) -> int:
         return self.n_layers * self.layer_params + self.embedding_params + self.head_params
 

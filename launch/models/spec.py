@@ -2,9 +2,11 @@
 
 The trainer and `parallelize()` know nothing about a family beyond this. Conventions a family's
 module keeps: its blocks live in an `nn.ModuleDict` named `layers` keyed by global index (so a
-pipeline stage keeps the whole model's parameter names), and it has `init_weights(seed)`, seeded and
-identical whatever the layout. A family's special tokens (`launch.models.SPECIAL_TOKENS`) follow the corpus's own
-tokens: with a vocabulary of V ids in all, the k specials are ids V - k .. V - 1 in their order.
+pipeline stage keeps the whole model's parameter names), and it has `init_values(seed)`, its whole
+seeded init as (name, value) pairs drawn one at a time (identical whatever the layout:
+`launch.materialise` copies each rank's slice), and `init_weights(seed)`, the same in place. A family's
+special tokens (`launch.models.SPECIAL_TOKENS`) follow the corpus's own tokens: with a vocabulary of V
+ids in all, the k specials are ids V - k .. V - 1 in their order.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from cona_cli.strategy import Strategy
 from launch import checkpoint
 from launch.data.corpus import CorpusInfo
 from launch.data.sampling import TokenStream
-from launch.layout import prepare_layout
+from launch.layout import build_layout, prepare_layout
+from launch.materialise import build_model
 from launch.lr import learning_rate
 from launch.models import get_spec
 from launch.models.spec import IGNORE_INDEX
@@ -173,6 +174,34 @@ def micro_batch(tp: int) -> int:
     return 4 if tp > 1 else 2
 
 
+def _peak_rss() -> int:
+    """This process's peak resident set (VmHWM) in bytes."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def sharded_start(cfg, corpus: CorpusInfo) -> dict:
+    """A 50M-parameter GPT under FSDP over the 4 ranks: how much each rank's peak resident set grows while
+    its layout is built (Linux's peak reset, clear_refs 5), against the model whole in fp32, and whether
+    the gathered parameters equal a one-process build's, bit for bit."""
+    big = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, d_model=1024, ffn=4096, n_heads=8),
+        train=dataclasses.replace(cfg.train, dp_impl="fsdp"),
+    )
+    spec = get_spec(big.model.family)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _peak_rss()
+    layout = build_layout(big, Strategy(4, 1, 1, 1, 4), torch.device("cpu"), corpus.vocab_size)
+    growth = _peak_rss() - before
+    whole = build_model(spec, big.model, corpus.vocab_size, big.train.seed, torch.device("cpu"))
+    reference = dict(whole.named_parameters())
+    equal = all(torch.equal(p.full_tensor(), reference[n]) for n, p in layout.pm.model.named_parameters())
+    growths: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(growths, growth)
+    return {"growth": growths, "whole_bytes": 4 * sum(p.numel() for p in reference.values()), "equal": equal}
+
+
 def family_results(run_dir: Path, cfg, corpus: CorpusInfo) -> dict:
     results: dict = {"layouts": {}, "fsdp": {}, "reshard": [], "tied_equal": []}
     gbs = 16
@@ -224,6 +253,7 @@ def family_results(run_dir: Path, cfg, corpus: CorpusInfo) -> dict:
         results["resize"] = [
             resize_vs_relaunch(cfg, run_dir, Strategy(*a), Strategy(*b), i) for i, (a, b) in enumerate(RESIZE)
         ]
+        results["sharded_start"] = sharded_start(cfg, corpus)
         results["snapshot"] = {
             "ddp-tp": snapshot_replays(cfg, run_dir, Strategy(2, 2, 1, 4, 8)),
             "pp": snapshot_replays(cfg, run_dir, Strategy(2, 1, 2, 2, 8)),
