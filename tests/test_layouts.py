@@ -98,6 +98,23 @@ def test_an_in_place_resize_continues_as_a_relaunch_would(results: dict) -> None
         assert abs(r["eval"][0] - r["eval"][1]) <= 1e-5, r
 
 
+def test_fsdp_skips_the_middle_micro_batches_reduce_scatters_once_its_ranks_agree_and_matches(
+    results: dict,
+) -> None:
+    if results["family"] != "gpt":
+        pytest.skip("run for the GPT family only")
+    r, ref = results["fsdp_unsharded"], results["reference"]
+    assert r["accumulating"] == [False, False, True], r
+    first, second, third = r["reduce_scatters"]
+    assert first == second > 0 and third == first // 2, r  # 2 of the 4 micro-batches reduce-scatter
+    for got, want in zip(r["losses"], ref, strict=False):
+        assert abs(got - want) < 1e-3, (r["losses"], ref)
+    assert len(r["losses"]) == 3
+    full = results["fsdp_unsharded_one_full"]  # one rank without room: none skips, all stay in step
+    assert full["accumulating"] == [False] * 3 and full["reduce_scatters"] == [first] * 3, full
+    assert full["losses"][:2] == r["losses"][:2] and abs(full["losses"][2] - r["losses"][2]) < 1e-4
+
+
 def test_a_restored_snapshot_replays_its_steps_exactly(results: dict) -> None:
     """The in-memory snapshot (paired trials) under DDP+TP, PP and FSDP: after two steps and another
     (at the doubled batch where pp = 1), restoring it repeats the same two steps bit for bit (GPT only)."""
