@@ -110,8 +110,8 @@ class ParallelModel:
         m = len(micro)
         for i, (x, y) in enumerate(micro):
             sync = i == m - 1 or not isinstance(self.wrapped, DDP)
-            if isinstance(self.wrapped, FSDPModule):
-                self.wrapped.set_requires_gradient_sync(not self.accumulate_unsharded or i in (0, m - 1))
+            if self.accumulate_unsharded:  # (FSDP's default, every micro-batch syncing, is left on the last)
+                self.wrapped.set_requires_gradient_sync(i in (0, m - 1))
             with nullcontext() if sync else self.wrapped.no_sync():
                 loss = self.loss(self.wrapped(x), y)
                 (loss / m).backward()
