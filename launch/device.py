@@ -180,6 +180,19 @@ def peak_memory(device: torch.device) -> list[float]:
     return [float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), 0.0]  # Linux: KiB
 
 
+def headroom_bytes(device: torch.device, margin: float) -> float:
+    """What this rank could still add at its peak and keep `margin` of its memory free: on CUDA the
+    device's total less the allocator's peak reservation and what lives outside the allocator (context,
+    NCCL buffers); on the CPU this rank's share of the node's RAM (ranks split it evenly) less its peak
+    resident set."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        outside = total - free - torch.cuda.memory_reserved(device)
+        return (1 - margin) * total - torch.cuda.max_memory_reserved(device) - outside
+    share = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return (1 - margin) * share - resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak (CUDA only: a process's peak resident set cannot be reset)."""
     if device.type == "cuda":

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -47,6 +47,9 @@ class ParallelModel:
     device: torch.device | None = None  # where the local model, its batches and its losses live
     tied: tuple[nn.Parameter, ...] = ()  # this end stage's copies of parameters both end stages hold (pp > 1)
     tie_group: dist.ProcessGroup | None = None  # the first and the last stage at this rank's (dp, tp)
+    # FSDP with pp = 1: the middle micro-batches' gradients stay unsharded on each rank, without a
+    # reduce-scatter each (the worker sets it where memory allows: `unsharded_grad_bytes` more per rank)
+    accumulate_unsharded: bool = False
 
     def counted_grads(self, dims: tuple[str, ...]) -> list[torch.Tensor]:
         """Local gradient pieces this rank counts (see `counts_here`); a tied parameter's once, on the
@@ -66,6 +69,17 @@ class ParallelModel:
         first and the last stage."""
         for g in grads:
             dist.all_reduce(local_tensor(g), group=self.tie_group)
+
+    @property
+    def can_accumulate_unsharded(self) -> bool:
+        """FSDP with pp = 1 and at least three micro-batches: some reduce-scatters could be skipped. (The
+        first micro-batch's always runs: the noise scale reads it, `launch.gradstats`.)"""
+        return isinstance(self.wrapped, FSDPModule) and self.strategy.pp == 1 and self.strategy.n_microbatches > 2
+
+    def unsharded_grad_bytes(self) -> int:
+        """What accumulating unsharded keeps on this rank: each local parameter's gradient gathered over dp,
+        in FSDP's fp32 reduce dtype (`launch.precision.fsdp_policy`)."""
+        return 4 * self.strategy.dp * sum(local_tensor(p).numel() for p in self.model.parameters())
 
     @property
     def is_first(self) -> bool:
@@ -96,6 +110,8 @@ class ParallelModel:
         m = len(micro)
         for i, (x, y) in enumerate(micro):
             sync = i == m - 1 or not isinstance(self.wrapped, DDP)
+            if self.accumulate_unsharded:  # (FSDP's default, every micro-batch syncing, is left on the last)
+                self.wrapped.set_requires_gradient_sync(i in (0, m - 1))
             with nullcontext() if sync else self.wrapped.no_sync():
                 loss = self.loss(self.wrapped(x), y)
                 (loss / m).backward()

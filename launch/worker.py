@@ -41,6 +41,7 @@ from launch.device import (
     DeviceError,
     gpus_wanted,
     group_device,
+    headroom_bytes,
     init_distributed,
     is_out_of_memory,
     peak_memory,
@@ -143,6 +144,8 @@ class Worker:
         t = cfg.train
         self.memory_estimate = self.files.memory_estimates().get(str(strategy))  # the planner's, from the controller
         self.timeouts_shortened = False
+        self.launch_steps = 0  # steps this process ran
+        self.unsharded_vote_step = 1  # FSDP's unsharded accumulation is voted on at this one (`train_step`)
         self.state = TrainerState()
         self.small = NoiseNorms(self.pm, self.opt, self.spec.vocab_params) if t.gns else None
         self.noise = NoiseScale(window=t.gns_window)
@@ -336,6 +339,11 @@ class Worker:
             stop = command if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
         resize, self.resize_requested = self.resize_requested, None
         writing = self.pending is not None and not self.pending.written()
+        # At the first steady step (after the first, or after a resize) every rank says whether its
+        # measured peak leaves room for the unsharded gradients; FSDP skips the middle micro-batches'
+        # reduce-scatters from the next step on if all do (every rank must skip the same ones).
+        voting = self.pm.can_accumulate_unsharded and self.launch_steps == self.unsharded_vote_step
+        veto = voting and headroom_bytes(self.device, self.cfg.search.memory_margin) < self.pm.unsharded_grad_bytes()
         sums = self._sum_over_ranks(
             [
                 loss_sum if self._counts_loss() else 0.0,
@@ -348,6 +356,7 @@ class Worker:
                 float(writing),
                 float(resize.mbs) if resize else 0.0,
                 float(resize.gbs) if resize else 0.0,
+                float(veto),
                 *self._memory_slots(),
             ]
         )
@@ -367,8 +376,12 @@ class Worker:
             writers,
             new_mbs,
             new_gbs,
+            vetoes,
             *slots,
         ) = sums.tolist()
+        if voting:
+            self.pm.accumulate_unsharded = vetoes == 0
+        self.launch_steps += 1
         noise = self._update_noise(small_sq, big_sq)
         grad_norm = math.sqrt(grad_sq)
         st.step += 1
@@ -396,6 +409,7 @@ class Worker:
         data stream continues at `consumed_samples`, the LR follows the new batch, and the GNS estimator
         and the evaluation batches are rebuilt for it. Every rank calls this after the same step."""
         self.strategy = self.pm.strategy = strategy
+        self.pm.accumulate_unsharded, self.unsharded_vote_step = False, self.launch_steps  # the new batch votes
         if self.small is not None:
             self.small.resize()
         self.state.gns_from_step = self.state.step + self.gns_hold

@@ -105,8 +105,26 @@ def test_a_model_that_fits_only_sharded_is_built_sharded_with_the_same_values(re
         pytest.skip("run for the GPT family only")
     r = results["sharded_start"]
     assert r["equal"], r
-    assert r["whole_bytes"] > 150 * 2**20, r
-    assert max(r["growth"]) < 0.6 * r["whole_bytes"], r  # a quarter, plus one whole 4 MiB-to-16 MiB parameter
+    assert r["whole_bytes"] > 300 * 2**20, r
+    # a quarter (0.25), one whole parameter (0.08) and the host allocator's slack (0.1-0.3 measured)
+    assert max(r["growth"]) < 0.75 * r["whole_bytes"], r
+
+
+def test_fsdp_skips_the_middle_micro_batches_reduce_scatters_once_its_ranks_agree_and_matches(
+    results: dict,
+) -> None:
+    if results["family"] != "gpt":
+        pytest.skip("run for the GPT family only")
+    r, ref = results["fsdp_unsharded"], results["reference"]
+    assert r["accumulating"] == [False, False, True], r
+    first, second, third = r["reduce_scatters"]
+    assert first == second > 0 and third == first // 2, r  # 2 of the 4 micro-batches reduce-scatter
+    for got, want in zip(r["losses"], ref, strict=False):
+        assert abs(got - want) < 1e-3, (r["losses"], ref)
+    assert len(r["losses"]) == 3
+    full = results["fsdp_unsharded_one_full"]  # one rank without room: none skips, all stay in step
+    assert full["accumulating"] == [False] * 3 and full["reduce_scatters"] == [first] * 3, full
+    assert full["losses"][:2] == r["losses"][:2] and abs(full["losses"][2] - r["losses"][2]) < 1e-4
 
 
 def test_a_restored_snapshot_replays_its_steps_exactly(results: dict) -> None:

@@ -104,6 +104,20 @@ def test_fsdp_under_pp_keeps_the_stage_gathered_with_fp32_grads_per_dp_rank() ->
         assert dp4 == pytest.approx(params * STATE_BYTES / 4 + gathered + activations)
 
 
+def test_fsdp_counts_unsharded_gradients_of_three_or_more_micro_batches_where_they_fit() -> None:
+    shape = dataclasses.replace(SHAPE, seq_len=2048, vocab=256)  # activations, not the step, are the peak
+    w = Workload(shape, precision="fp32", dp_impl="fsdp")
+    params = float(w.stage_params(np.array(1.0), np.array(1.0)))
+    x = as_array([Strategy(4, 1, 1, 1, 8), Strategy(4, 1, 1, 1, 12)])  # 2 and 3 micro-batches
+    two, three = memory_bytes(x, w)  # without a budget: counted wherever it applies
+    assert three - two == pytest.approx(params * 4)  # the local stage's fp32 gradients, not divided by dp
+    room = float(three)
+    assert memory_bytes(x, w, budget=room)[1] == three
+    assert memory_bytes(x, w, budget=room - 1)[1] == two  # does not fit: every micro-batch reduce-scatters
+    ddp = memory_bytes(x, dataclasses.replace(w, dp_impl="ddp"))
+    assert ddp[0] == ddp[1]  # DDP accumulates into its buckets either way
+
+
 def _tiny_model(dropout: float = 0.0) -> torch.nn.Module:
     cfg = config_from_dict({**TINY, "model": {**TINY["model"], "dropout": dropout}}, "t")
     return get_spec(cfg.model.family).build(cfg.model, 256), get_spec(cfg.model.family)

@@ -87,7 +87,7 @@ def test_a_strategy_that_fits_only_sharded_starts_with_its_pieces_and_one_whole_
         search=dataclasses.replace(cfg.search, recompute=True),
     )
     w = Workload.from_config(cfg)
-    s = Strategy(16, 1, 1, 1, 128)
+    s = Strategy(16, 1, 1, 1, 32)  # two micro-batches: FSDP reduce-scatters both
     x = as_array([s])
     hw = load_hardware("a6000-2x8")
     start, steady = startup_bytes(x, w)[0], memory_bytes(x, w, hw)[0]
@@ -96,11 +96,11 @@ def test_a_strategy_that_fits_only_sharded_starts_with_its_pieces_and_one_whole_
     fits = dataclasses.replace(
         hw, memory_gib=(steady / 2**30 + hw.reserved_gib) / (1 - cfg.search.memory_margin) + 0.01
     )
-    assert s in enumerate_space(cfg, fits, [128]).feasible
+    assert s in enumerate_space(cfg, fits, [32]).feasible
     ddp = dataclasses.replace(w, dp_impl="ddp")  # unsharded pieces: the whole stage
     assert startup_bytes(x, ddp)[0] == pytest.approx((w.shape.total_params + w.shape.vocab * w.shape.d_model) * 4)
     tight = dataclasses.replace(
         hw, memory_gib=(start / 2**30 + hw.reserved_gib) / (1 - cfg.search.memory_margin) - 0.01
     )
-    reasons = dict(enumerate_space(cfg, tight, [128]).rejected)
+    reasons = dict(enumerate_space(cfg, tight, [32]).rejected)
     assert reasons[s].startswith("memory ")

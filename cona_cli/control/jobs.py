@@ -21,7 +21,7 @@ from cona_cli.control.runstate import write_atomic
 from cona_cli.control.telemetry_server import TelemetryServer
 from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.hardware import load_hardware
-from cona_cli.planner.memory import memory_bytes
+from cona_cli.planner.memory import memory_bytes, training_budget
 from cona_cli.planner.workload import Workload
 from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy
@@ -90,7 +90,8 @@ def record_memory_estimate(cfg: Config, files: RunDir, strategy: Strategy) -> No
     vocab = files.vocab_size() if files.corpus.is_file() else None
     workload = Workload.from_config(cfg, vocab=vocab)
     hw = load_hardware(cfg.search.hardware)  # resolves search.precision: auto
-    estimates[str(strategy)] = float(memory_bytes(as_array([strategy]), workload, hw)[0])
+    budget = training_budget(hw, cfg.cluster.procs_per_node, cfg.search.memory_margin)
+    estimates[str(strategy)] = float(memory_bytes(as_array([strategy]), workload, hw, budget)[0])
     write_atomic(files.memory_estimate_file, json.dumps(estimates))
 
 

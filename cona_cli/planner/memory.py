@@ -38,19 +38,25 @@ def layer_activation_bytes(shape: ModelShape, mbs: Any, tp: Any, act_bytes: int)
     return mbs * shape.seq_len * act_bytes * (4 * h + (attention + mlp) / tp)
 
 
-def memory_bytes(x: np.ndarray, w: Workload, hw: HardwareProfile | None = None) -> np.ndarray:
+def memory_bytes(
+    x: np.ndarray, w: Workload, hw: HardwareProfile | None = None, budget: float | None = None
+) -> np.ndarray:
     """Peak bytes per device (without the runtime reservation) for rows x = (dp, tp, pp, mbs, gbs)
-    (`hw`: resolves `search.precision: auto`).
+    (`hw`: resolves `search.precision: auto`; `budget`: the bytes a device has, see below).
 
     Model states: 16 bytes per parameter (fp32 weights, gradients and moments under fp32 and bf16 alike),
     sharded over dp under FSDP, plus two gathered layers in the compute precision with pp = 1. FSDP under
     PP keeps the whole stage gathered (reshard_after_forward off, and `PipelineStage` turns
     reshard-after-backward and gradient sync off until the last micro-batch): its compute-precision
-    parameters and their unsharded fp32 accumulated gradients, not divided by dp. Under bf16 without
-    FSDP, autocast's compute-precision copies of the weights. DDP's gradients are views into its buckets
-    (gradient_as_bucket_view), no second copy. When dp > 1 and the gradients are averaged in buckets
-    (DDP does not wrap TP or PP), the copies of the buckets in flight (`launch.buckets`). The optimizer
-    step (activations freed by then) adds foreach AdamW's full fp32 temporary over the local parameters.
+    parameters and their unsharded fp32 accumulated gradients, not divided by dp. FSDP with pp = 1 and
+    three or more micro-batches keeps the middle ones' gradients unsharded in fp32 instead of
+    reduce-scattering each (`ParallelModel.accumulate_unsharded`) where they fit: counted where the peak
+    with them is within `budget` (the worker measures its own peak before it turns this on), everywhere
+    without a budget. Under bf16 without FSDP, autocast's compute-precision copies of the weights. DDP's
+    gradients are views into its buckets (gradient_as_bucket_view), no second copy. When dp > 1 and the
+    gradients are averaged in buckets (DDP does not wrap TP or PP), the copies of the buckets in flight
+    (`launch.buckets`). The optimizer step (activations freed by then) adds foreach AdamW's full fp32
+    temporary over the local parameters.
     Activations: what each layer saves (`layer_activation_bytes`); with recomputation only each layer's
     input plus one layer's working set.
     1F1B keeps up to pp micro-batches in flight on stage 0, GPipe all m. The last stage holds the logits
@@ -84,7 +90,18 @@ def memory_bytes(x: np.ndarray, w: Workload, hw: HardwareProfile | None = None) 
     first = first_in_flight * per_microbatch + np.where(pp == 1, logits, 0.0)
     last = last_in_flight * per_microbatch + logits
     step_temporary = optimizer_params * ADAM_TEMP_BYTES
-    return states + np.maximum(np.maximum(first, last), step_temporary)
+    peak = states + np.maximum(np.maximum(first, last), step_temporary)
+    if w.dp_impl != "fsdp":
+        return peak
+    unsharded = np.where((pp == 1) & (m > 2), params * GRAD_BYTES, 0.0)  # beside the activations at their peak
+    with_unsharded = states + np.maximum(np.maximum(first, last) + unsharded, step_temporary)
+    return with_unsharded if budget is None else np.where(with_unsharded <= budget, with_unsharded, peak)
+
+
+def training_budget(hw: HardwareProfile, procs_per_node: int, margin: float) -> float:
+    """Bytes a rank's device has for what `memory_bytes` counts: its memory less `margin` of it and the
+    runtime's reservation."""
+    return (1 - margin) * hw.device_memory_bytes(procs_per_node) - hw.reserved_gib * 2**30
 
 
 def startup_bytes(x: np.ndarray, w: Workload) -> np.ndarray:

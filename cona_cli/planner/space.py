@@ -9,7 +9,7 @@ import numpy as np
 from cona_cli.config import Config
 from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.hardware import HardwareProfile
-from cona_cli.planner.memory import memory_bytes, startup_bytes
+from cona_cli.planner.memory import memory_bytes, startup_bytes, training_budget
 from cona_cli.planner.workload import Workload
 from cona_cli.strategy import Strategy, divisibility_problems
 
@@ -86,7 +86,8 @@ def enumerate_space(cfg: Config, hw: HardwareProfile, ladder: list[int] | None =
                         candidates.append(s)
     x = as_array(candidates)
     reserved = hw.reserved_gib * 2**30
-    need, start = memory_bytes(x, w, hw) + reserved, startup_bytes(x, w) + reserved
+    need = memory_bytes(x, w, hw, training_budget(hw, ppn, cfg.search.memory_margin)) + reserved
+    start = startup_bytes(x, w) + reserved
     budget = (1 - cfg.search.memory_margin) * hw.device_memory_bytes(ppn)
     fits = (need <= budget) & (start <= budget)
     feasible = [s for s, ok in zip(candidates, fits) if ok]

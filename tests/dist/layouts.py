@@ -21,6 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from cona_cli.strategy import Strategy
 from launch import checkpoint
+from launch import worker as worker_module
+from launch.device import headroom_bytes
 from launch.data.corpus import CorpusInfo
 from launch.data.sampling import TokenStream
 from launch.layout import build_layout, prepare_layout
@@ -181,12 +183,12 @@ def _peak_rss() -> int:
 
 
 def sharded_start(cfg, corpus: CorpusInfo) -> dict:
-    """A 50M-parameter GPT under FSDP over the 4 ranks: how much each rank's peak resident set grows while
+    """A 110M-parameter GPT under FSDP over the 4 ranks: how much each rank's peak resident set grows while
     its layout is built (Linux's peak reset, clear_refs 5), against the model whole in fp32, and whether
     the gathered parameters equal a one-process build's, bit for bit."""
     big = dataclasses.replace(
         cfg,
-        model=dataclasses.replace(cfg.model, d_model=1024, ffn=4096, n_heads=8),
+        model=dataclasses.replace(cfg.model, n_layers=8, d_model=1024, ffn=4096, n_heads=8),
         train=dataclasses.replace(cfg.train, dp_impl="fsdp"),
     )
     spec = get_spec(big.model.family)
@@ -200,6 +202,35 @@ def sharded_start(cfg, corpus: CorpusInfo) -> dict:
     growths: list[int] = [0] * dist.get_world_size()
     dist.all_gather_object(growths, growth)
     return {"growth": growths, "whole_bytes": 4 * sum(p.numel() for p in reference.values()), "equal": equal}
+
+
+def fsdp_unsharded_accumulation(cfg, run_dir, full_rank: int | None = None) -> dict:
+    """FSDP, dp 4 and four micro-batches for three steps: the first two reduce-scatter every micro-batch's
+    gradients; the second votes (memory is plentiful unless `full_rank` says it has no room), and the
+    third skips the two middle ones if every rank agreed."""
+    fsdp = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dp_impl="fsdp"))
+    w = Worker(fsdp, run_dir, Strategy(4, 1, 1, 1, 16), launch=1)
+    if dist.get_rank() == full_rank:
+        worker_module.headroom_bytes = lambda device, margin: 0.0
+    calls, losses, accumulating = [0], [], []
+    reduce_scatter = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        per_step = []
+        for _ in range(STEPS + 1):
+            calls[0] = 0
+            accumulating.append(w.pm.accumulate_unsharded)
+            losses.append(w.train_step(False).loss)
+            per_step.append(calls[0])
+    finally:
+        dist.reduce_scatter_single = reduce_scatter
+        worker_module.headroom_bytes = headroom_bytes
+    return {"losses": losses, "reduce_scatters": per_step, "accumulating": accumulating}
 
 
 def family_results(run_dir: Path, cfg, corpus: CorpusInfo) -> dict:
@@ -254,6 +285,8 @@ def family_results(run_dir: Path, cfg, corpus: CorpusInfo) -> dict:
             resize_vs_relaunch(cfg, run_dir, Strategy(*a), Strategy(*b), i) for i, (a, b) in enumerate(RESIZE)
         ]
         results["sharded_start"] = sharded_start(cfg, corpus)
+        results["fsdp_unsharded"] = fsdp_unsharded_accumulation(cfg, run_dir)
+        results["fsdp_unsharded_one_full"] = fsdp_unsharded_accumulation(cfg, run_dir, full_rank=3)
         results["snapshot"] = {
             "ddp-tp": snapshot_replays(cfg, run_dir, Strategy(2, 2, 1, 4, 8)),
             "pp": snapshot_replays(cfg, run_dir, Strategy(2, 1, 2, 2, 8)),
