@@ -1,4 +1,4 @@
-"""The `cona` command line: train, search, report, export, config."""
+"""The `cona` command line: train, search, report, export, simulate, tune-lr, config."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from cona_cli.commands.report_command import report_command
 from cona_cli.commands.search_command import search_command
 from cona_cli.commands.simulate_command import simulate_command
 from cona_cli.commands.train_command import train_command
+from cona_cli.commands.tune_lr_command import tune_lr_command
 
 app = typer.Typer(
     add_completion=False,
@@ -23,6 +24,7 @@ app.command("train")(train_command)
 app.command("report")(report_command)
 app.command("export")(export_command)
 app.command("simulate")(simulate_command)
+app.command("tune-lr")(tune_lr_command)
 app.add_typer(config_app, name="config")
 
 

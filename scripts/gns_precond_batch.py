@@ -5,7 +5,10 @@ continues two arms from the same state at one LR: one at `--gbs`, one at `--othe
 steps of each arm it reads the two-batch estimate B = tr(P Σ P) / |P G|² (P = 1/(√v̂ + ε), the family's
 vocab_params left out, as the workers measure it) and the raw B = tr Σ / |G|², both from `--batches`
 independent batches of `--gbs` samples that training never sees. Only v̂ differs between the arms'
-preconditioners, so a gap in the P readings that the raw ones do not show is the preconditioner's.
+preconditioners, so a gap in the P readings that the raw ones do not show is the preconditioner's. Each
+read also gives B_P with v̂ carried over to the other arm's batch (its noise part v̂ − m̂² scaled by the
+ratio of the batches): if that matches what the other arm reads, a rung's noise scale can be predicted
+from the running one's optimizer state.
 
     python scripts/gns_precond_batch.py [--config configs/wikitext2-gpt-tiny.yaml] [--data PATH]
         [--gbs 8] [--other 32] [--fork-at 700] [--arm-steps 60] [--every 20] [--batches 16]
@@ -60,20 +63,24 @@ def main() -> None:
         opt.step()
         return loss
 
-    def read(k: int) -> tuple[float, float]:
+    def read(k: int, built_at: int) -> tuple[float, float, float]:
+        """B_P, raw B, and B_P with v̂ carried over to the other arm's batch (`built_at` the batch v̂ is from)."""
         grads = []
         for i in range(n):
             backward(HELD_OUT + (k * n + i) * b, b)
             grads.append({name: p.grad.detach().clone() for name, p in model.named_parameters() if name in names})
-        return tuple(preconditioned_estimate(model, opt, grads, b, power, names) for power in (2, 0))
+        target = args.other if built_at == b else b
+        pre, raw = (preconditioned_estimate(model, opt, grads, b, power, names) for power in (2, 0))
+        return pre, raw, preconditioned_estimate(model, opt, grads, b, 2, names, rescale=built_at / target)
 
     consumed = 0
     for i in range(args.fork_at):
         step(consumed, b, t.lr * min(1.0, (i + 1) * b * m.seq_len / max(t.warmup_tokens, 1)))
         consumed += b
-    pre, raw = read(0)
+    pre, raw, carried = read(0, b)
     print(
-        f"{args.config}: {m.family}; fork after {args.fork_at} steps at gbs {b}: B_P {pre:.1f}, raw {raw:.1f}",
+        f"{args.config}: {m.family}; fork after {args.fork_at} steps at gbs {b}: B_P {pre:.1f}, raw {raw:.1f}, "
+        f"B_P with v̂ carried to gbs {args.other} {carried:.1f}",
         flush=True,
     )
     state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
@@ -85,9 +92,12 @@ def main() -> None:
             for _ in range(args.every):
                 loss = step(at, arm, t.lr)
                 at += arm
-            pre, raw = read(k)
+            pre, raw, carried = read(k, arm)
+            other = args.other if arm == b else b
             print(
-                f"arm gbs {arm:>3}, +{k * args.every} steps: loss {loss:.3f}  B_P {pre:.1f}  raw {raw:.1f}", flush=True
+                f"arm gbs {arm:>3}, +{k * args.every} steps: loss {loss:.3f}  B_P {pre:.1f}  raw {raw:.1f}  "
+                f"B_P with v̂ carried to gbs {other} {carried:.1f}",
+                flush=True,
             )
 
 

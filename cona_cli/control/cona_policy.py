@@ -189,10 +189,10 @@ class ConaPolicy(Policy):
         return pooled_noise_scale([g for _, g, _ in self.noise], [t for _, _, t in self.noise], self.s.confidence)
 
     def _observe_noise(self, row: dict[str, Any]) -> None:
-        """Pool the row's two-batch estimate with those of the same batch size only. The noise scale is
-        measured through Adam's preconditioner, whose second moment describes the batch it was built at:
-        from one state, 20–60 steps at gbs 32 read 75–90 where gbs 8 reads 31–40 (docs/switching.md), so
-        estimates from before a change of batch would bias every comparison made after it."""
+        """Pool the row's two-batch estimate with those of the same batch size only. The reading depends on
+        the batch that trained the weights: from one state, 20–60 steps at gbs 32 read 63–100 where gbs 8
+        reads 27–40 (docs/switching.md), so estimates from before a change of batch would bias every
+        comparison made after it."""
         gbs = int(row["gbs"])
         if self.noise and self.noise[-1][0] != gbs:
             self.noise.clear()
