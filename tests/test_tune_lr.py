@@ -36,10 +36,10 @@ def test_the_grid_is_two_or_more_distinct_positive_rates() -> None:
 
 
 def test_the_best_trial_is_the_lowest_loss_that_finished() -> None:
-    trials = [Trial(1e-3, Path("a"), 5.0, 1, 1.0), Trial(2e-3, Path("b"), None, None, None)]
-    trials.append(Trial(4e-3, Path("c"), 4.5, 1, 1.0))
+    trials = [Trial(1e-3, 5.0, 1, 1.0), Trial(2e-3, None, None, None)]
+    trials.append(Trial(4e-3, 4.5, 1, 1.0))
     assert best_trial(trials).lr == 4e-3
-    assert best_trial([Trial(1e-3, Path("a"), None, None, None)]) is None
+    assert best_trial([Trial(1e-3, None, None, None)]) is None
 
 
 @pytest.mark.parametrize(

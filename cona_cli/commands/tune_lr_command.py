@@ -32,7 +32,6 @@ GRID = (0.5, 1.0, 2.0, 4.0)  # multiples of the config's lr swept by default
 @dataclass(frozen=True)
 class Trial:
     lr: float
-    run_dir: Path
     val_loss: float | None  # the last evaluation's; None if the run failed or diverged
     samples: int | None
     seconds: float | None
@@ -66,22 +65,22 @@ def sweep_sets(cfg: Config, lr: float, tokens: int) -> dict[str, object]:
     }
 
 
-def run_trial(config: Path, sets: dict[str, object], run_dir: Path, verbose: bool) -> Trial:
-    """Train one trial with `cona train` in a child process and read what it reached."""
+def run_trial(config: Path, lr: float, sets: dict[str, object], run_dir: Path, verbose: bool) -> Trial:
+    """Train one trial (`sets` its overrides, `lr` among them) with `cona train` in a child process and
+    read what it reached."""
     args = [f"{k}={'null' if v is None else v}" for k, v in sets.items()]
     cmd = [sys.executable, "-m", "cona_cli", "train", str(config), "--run-dir", str(run_dir)]
     cmd += [a for kv in args for a in ("--set", kv)]
     out = None if verbose else subprocess.DEVNULL
     rc = subprocess.run(cmd, stdout=out, check=False).returncode
-    lr = float(sets["train.lr"])  # type: ignore[arg-type]
     try:
         evals = read_run(run_dir).evals
     except NotARunError:
         evals = ()
     last = evals[-1] if evals else None
     if rc != 0 or last is None or last.val_loss is None or not math.isfinite(last.val_loss):
-        return Trial(lr, run_dir, None, None, None)
-    return Trial(lr, run_dir, last.val_loss, last.consumed_samples, last.time)
+        return Trial(lr, None, None, None)
+    return Trial(lr, last.val_loss, last.consumed_samples, last.time)
 
 
 def best_trial(trials: list[Trial]) -> Trial | None:
@@ -130,7 +129,9 @@ def tune_lr_command(
     typer.echo(f"cona tune-lr: {len(grid)} trials at gbs {base}, {budget} tokens each, into {folder}")
     trials = []
     for lr, s in zip(grid, trial_sets):
-        trial = run_trial(config, {**({"data.path": str(data)} if data else {}), **s}, folder / f"lr-{lr:g}", verbose)
+        trial = run_trial(
+            config, lr, {**({"data.path": str(data)} if data else {}), **s}, folder / f"lr-{lr:g}", verbose
+        )
         trials.append(trial)
         reached = "failed or diverged" if trial.val_loss is None else f"val loss {trial.val_loss:.4f}"
         typer.echo(f"  lr {lr:g}: {reached}")
