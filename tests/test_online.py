@@ -122,12 +122,43 @@ def test_no_flapping_at_a_true_tie_after_both_rungs_were_measured(seed: int) -> 
     world.gns = _gns_for_ratio(world, S8, S16, 1.3)
     world.run(80)
     assert [w[2] for w in world.switches] == [S16]
-    policy.samples[S8] = [world.true_time(S8) * math.exp(world.rng.gauss(0, 0.05)) for _ in range(40)]
+    _measured(world, S8)
     world.gns = _gns_for_ratio(world, S8, S16, 1.0)
     world.run(3000)
     assert [w[2] for w in world.switches] == [S16], world.switches
     lows = [e["ratio_low"] for e in policy.events.decisions() if e.get("candidate") == S8.to_dict()]
     assert lows and max(lows) < 1.0
+
+
+def _measured(world: World, s: Strategy, n: int = 40) -> None:
+    """`s`'s step times as if measured in an earlier visit."""
+    world.policy.samples[s] = [world.true_time(s) * math.exp(world.rng.gauss(0, world.time_noise)) for _ in range(n)]
+
+
+def test_the_next_rung_up_is_taken_at_its_point_estimate() -> None:
+    """At gbs 8 with 16 measured, 16 truly 8 % ahead: too little for the ratio's 99 % lower bound at these
+    noise levels (the bound a retreat must clear), but the climb is taken at the point estimate within a
+    few decisions of the dwell."""
+    policy = _policy()
+    world = World(policy, gns=0.0, time_noise=0.1)
+    world.gns = _gns_for_ratio(world, S8, S16, 1.08)
+    _measured(world, S16)
+    world.run(60)
+    assert [w[2] for w in world.switches] == [S16]
+    climb = next(e for e in policy.events.decisions() if e["switch"])
+    assert climb["candidate"] == S16.to_dict() and climb["ratio_low"] < 1.0 < climb["ratio"]
+    assert climb["step"] <= 2 + policy.s.min_steps + 3 * policy.s.decision_every
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_at_a_true_tie_the_run_climbs_at_most_once_and_does_not_come_back(seed: int) -> None:
+    """From gbs 8 with 16 measured, at an exact tie: 3000 noisy steps take at most one switch, up."""
+    policy = _policy()
+    world = World(policy, gns=0.0, seed=seed)
+    world.gns = _gns_for_ratio(world, S8, S16, 1.0)
+    _measured(world, S16)
+    world.run(3000)
+    assert [w[2] for w in world.switches] in ([], [S16]), world.switches
 
 
 def test_a_retreat_goes_to_the_best_measured_lower_rung_when_it_wins_with_confidence() -> None:

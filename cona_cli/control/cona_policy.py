@@ -1,5 +1,5 @@
 """The online CONA policy: run the strategy with the most progress per second, switching when a
-candidate wins with confidence.
+candidate wins: the next rung up at the point estimate, anything else with confidence.
 
 What it maximises: Φ(s) = (gbs/T(s)) / (gbs + κ·G), G the noise scale of Adam-preconditioned
 gradients. Under the default recipe (`launch.lr`, adascale) progress per second is proportional to Φ,
@@ -9,7 +9,8 @@ What it tolerates: every `decision_every` steps, once the running strategy has `
 of its own (the dwell), each candidate's Φ ratio to it is bounded from below at `search.confidence` from
 the step times' spread and the standard error of the GNS pooled over the running batch size's steps
 (`switch_rule.decide`), and a candidate is taken only if that bound pays back its switch within the time
-the run has left. Among those that pass, the one with the most progress over that time wins. The
+the run has left. The next rung up needs only its point estimate to: the GNS's growth turns a near tie in
+its favour (`switch_rule`). Among those that pass, the one with the most progress over that time wins. The
 candidates: a better layout at the running rung and the best predicted strategy of every higher rung
 (from the search), and the best measured strategy of every lower rung (a retreat). A strategy never run
 competes at the model's step time (the paper's rule: predicted, not profiled); once run, at its own
@@ -277,17 +278,19 @@ class ConaPolicy(Policy):
         cur = self.current.strategy
         t_cur = time_estimate(self._dwell)
         left = self.time_left(row, t_cur.value)
+        up = min((g for g in self.ladder if g > cur.gbs), default=None)  # the next rung up
         decisions: list[tuple[Decision, str, Strategy, Estimate]] = []
         for kind, s, t, probe in self.candidates(results):
-            d = decide(cur.gbs, t_cur, s.gbs, t, gns, self.switch_cost(s), left, self.z, self.s.kappa, probe)
+            cost = self.switch_cost(s)
+            d = decide(cur.gbs, t_cur, s.gbs, t, gns, cost, left, self.z, self.s.kappa, probe, point=s.gbs == up)
             decisions.append((d, kind, s, t))
         if not decisions:
             self._log(row, None, None, "no candidate yet (search running)", gns=gns, t_cur=t_cur)
             return None
-        confident = [d for d in decisions if d[0].switch and not d[0].probe]
+        passing = [d for d in decisions if d[0].switch and not d[0].probe]
         probes = [d for d in decisions if d[0].probe]
-        if confident:  # choose among those that pass; a probe only when none passes with confidence
-            d, kind, s, t = max(confident, key=lambda d: d[0].score)
+        if passing:  # choose among those that pass; a probe only when none passes
+            d, kind, s, t = max(passing, key=lambda d: d[0].score)
         elif probes:
             d, kind, s, t = max(probes, key=lambda d: d[0].ratio)
         else:
