@@ -5,8 +5,10 @@ probe loss is the run's validation loss on its fixed slice; the GNS in force bef
 is the last smoothed GNS of the step rows. Prints κ with its 95% interval (cona_cli.planner.kappa),
 then, per target perplexity, the tokens each run needed relative to the smallest batch, against what
 Φ_κ predicts from the smallest batch's run (equal loss at equal efficiency clock), at κ = 1 and at
-the fitted κ: the check that Φ (κ = 1) predicts the token ratios of the recipe that ran. `search.kappa`
-takes a fitted value as an explicit override.
+the fitted κ: the check that Φ (κ = 1) predicts the token ratios of the recipe that ran. Then, pair by
+pair of neighbouring batches, the larger one's samples over the smaller one's against Φ's
+(b' + G)/(b + G) at the smaller run's GNS where it reached the target. `search.kappa` takes a fitted
+value as an explicit override.
 
     python scripts/fit_kappa.py RUN_DIR RUN_DIR RUN_DIR [--targets 600,400,300]
 """
@@ -14,6 +16,7 @@ takes a fitted value as an explicit override.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -23,7 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cona_cli.planner.kappa import Curve, efficiency_clock, fit_kappa  # noqa: E402
+from cona_cli.planner.kappa import Curve, efficiency_clock, fit_kappa, predicted_token_ratio  # noqa: E402
 from cona_cli.report.runlog import RunLog, read_run  # noqa: E402
 
 
@@ -59,6 +62,18 @@ def predicted_samples(base: Curve, other: Curve, loss: float, kappa: float) -> f
     return float(np.interp(target_m, m, other.samples))
 
 
+def neighbour_ratios(curves: list[Curve], loss: float) -> list[tuple[int, int, float, float, float]]:
+    """(smaller gbs, larger gbs, measured samples ratio, Φ's ratio at κ 1, the smaller run's GNS there) for
+    each pair of neighbouring batches (curves sorted by batch) that both reached `loss`."""
+    out = []
+    for a, b in itertools.pairwise(curves):
+        na, nb = samples_to(a, loss), samples_to(b, loss)
+        if na is not None and nb is not None:
+            g = float(np.interp(na, a.samples, a.gns))
+            out.append((int(a.gbs[0]), int(b.gbs[0]), nb / na, predicted_token_ratio(b.gbs[0], a.gbs[0], g, 1.0), g))
+    return out
+
+
 def _ratio(n: float | None, base: float | None) -> str:
     return f"{n / base:.3f}" if n is not None and base else "-"
 
@@ -85,6 +100,10 @@ def main() -> None:
             p1, pk = predicted_samples(base, c, loss, 1.0), predicted_samples(base, c, loss, fit.best)
             cells.append(f"gbs {int(c.gbs[0])}: {_ratio(n, n0)} | {_ratio(p1, n0)} | {_ratio(pk, n0)}")
         print(f"ppl {t:g}: " + "; ".join(cells))
+    print("\nneighbouring batches, samples of the larger over the smaller: measured | Φ at the smaller's GNS (G)")
+    for t in (float(x) for x in args.targets.split(",")):
+        pairs = neighbour_ratios(curves, math.log(t))
+        print(f"ppl {t:g}: " + "; ".join(f"{b}/{a}: {m:.3f} | {p:.3f} ({g:.3g})" for a, b, m, p, g in pairs))
 
 
 if __name__ == "__main__":

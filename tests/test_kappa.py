@@ -38,3 +38,25 @@ def test_phi_kappa_is_the_papers_phi_at_one_and_favours_larger_batches_above() -
     assert phi(32, 0.2, 80.0, 1.0) == phi(32, 0.2, 80.0)
     assert phi(32, 0.2, 80.0, 3.5) / phi(8, 0.1, 80.0, 3.5) > phi(32, 0.2, 80.0) / phi(8, 0.1, 80.0)
     assert abs(predicted_token_ratio(32, 8, 80.0, 1.0) - 112 / 88) < 1e-12
+
+
+def test_fit_kappa_compares_neighbouring_batches_with_phi_at_the_smaller_runs_gns() -> None:
+    import importlib.util
+
+    from tests.support import REPO
+
+    spec = importlib.util.spec_from_file_location("fit_kappa", REPO / "scripts" / "fit_kappa.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    samples = np.array([0.0, 1000.0, 2000.0, 4000.0])
+
+    def curve(b: int, scale: float) -> Curve:  # the same losses, reached after `scale` times the samples
+        return Curve(samples * scale, np.array([9.0, 7.0, 6.0, 5.0]), np.full(4, float(b)), np.full(4, 8.0))
+
+    curves = [curve(8, 1.0), curve(16, 1.5), curve(32, 2.0)]
+    pairs = script.neighbour_ratios(curves, 6.5)  # gbs 8 at 1500 samples, 16 at 2250, 32 at 3000
+    assert [(a, b) for a, b, *_ in pairs] == [(8, 16), (16, 32)]
+    (_, _, m1, p1, g1), (_, _, m2, p2, _) = pairs
+    assert abs(m1 - 1.5) < 1e-9 and abs(m2 - 2.0 / 1.5) < 1e-9
+    assert g1 == 8.0 and abs(p1 - 24 / 16) < 1e-12 and abs(p2 - 40 / 24) < 1e-12
+    assert script.neighbour_ratios(curves, 4.0) == []  # no run got there
