@@ -176,6 +176,23 @@ def test_a_retreat_goes_to_the_best_measured_lower_rung_when_it_wins_with_confid
     assert chosen["candidate_kind"] == "lower_gbs" and chosen["ratio_low"] > 1.0
 
 
+@pytest.mark.parametrize("spread,retreats", [(1.0, True), (4.0, False)])
+def test_a_retreat_must_win_were_the_noise_scale_kappa_spread_times_its_upper_bound(
+    spread: float, retreats: bool
+) -> None:
+    """gbs 16 runs 1.5x slower than the model predicts. After the climb to it, readings that put gbs 8 1.3x
+    ahead at the measured GNS clear the 99 % bound at κ 1, but not were the noise scale `kappa_spread` 4
+    times its upper bound (Adam's critical batch runs several times the measured one): no way back."""
+    policy = _policy(kappa_spread=spread)
+    world = World(policy, gns=1000.0, slower={S16: 1.5})
+    world.run(80)
+    assert world.switches[-1][2] == S16
+    world.gns = _gns_for_ratio(world, S8, S16, 1 / 1.3)
+    world.run(300)
+    assert (world.reversals() == 1) is retreats
+    assert world.switches[-1][2] == (S8 if retreats else S16)
+
+
 def test_the_choice_is_among_the_candidates_that_pass() -> None:
     """A relaunch with the larger Φ ratio that cannot pay back its switch must not hide a resize that
     passes (the rule used to keep the highest ratio and switch only if that one passed)."""

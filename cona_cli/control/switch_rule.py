@@ -14,6 +14,12 @@ batch, down for a smaller one. The errors are therefore not alike:
   layout at the same batch) must clear a lower confidence bound of the ratio: the ratio at the end of the
   GNS's confidence interval least favourable to the candidate (its lower bound for a larger batch, its
   upper bound for a smaller one), less the step times' log-normal error.
+- **a smaller batch**, besides, must win were the noise scale `spread` times that upper bound. The
+  measured noise scale under-states the critical batch of a preconditioned optimizer: Adam's is several
+  times SGD's (Zhang et al. 2019, the noisy quadratic model), and on wikitext2-gpt-tiny the fixed-batch
+  runs fit κ 5.8 [2.4–12.3] (`scripts/fit_kappa.py`). Taken at κ 1, early readings of a small noise scale
+  send a run back to a batch its own fixed runs beat at every target (docs/switching.md). The error is
+  one-sided, so only the move it would make wrongly pays for it.
 At a true tie the run thus climbs at most once and does not come back: no flapping.
 """
 
@@ -69,13 +75,15 @@ def decide(
     kappa: float = 1.0,
     probe: bool = False,
     point: bool = False,
+    spread: float = 1.0,
 ) -> Decision:
     """Compare the running strategy with a candidate; `gns` carries its bounds at the same confidence
     level as `z` (e.g. 1.645 for 95 % one-sided). `probe`: the candidate may be probed (its step time is
     the model's, with the model's error in `t_candidate.log_std`). `point`: the candidate is the next rung
-    up, decided at the ratio's point estimate."""
+    up, decided at the ratio's point estimate. `spread`: how far the critical batch may exceed κ·GNS, which
+    a smaller candidate must overcome."""
     ratio = phi_ratio(gbs, t_current.value, gbs_candidate, t_candidate.value, kappa * gns.value)
-    worst = gns.low if gbs_candidate > gbs else gns.high if gbs_candidate < gbs else gns.value
+    worst = gns.low if gbs_candidate > gbs else spread * gns.high if gbs_candidate < gbs else gns.value
     log_std = math.hypot(t_current.log_std, t_candidate.log_std)
     low = phi_ratio(gbs, t_current.value, gbs_candidate, t_candidate.value, kappa * worst) * math.exp(-z * log_std)
     payback = max(0.0, 1.0 - switch_cost_s / time_left_s) if time_left_s > 0 else 0.0
