@@ -11,16 +11,17 @@ the step times' spread and the standard error of the GNS pooled over the running
 (`switch_rule.decide`), and a candidate is taken only if that bound pays back its switch within the time
 the run has left. For the next rung up the point estimate must pay back instead of the bound: the GNS's
 growth turns a near tie in its favour; a lower rung must win were the noise scale `search.kappa_spread`
-times its upper bound: the measured GNS under-states Adam's critical batch (`switch_rule`). Among those that pass, the one with the most
-progress over that time wins. The candidates: a better layout at the running rung and the best predicted
-strategy of every higher rung (from the search), and the best measured strategy of every lower rung (a
-retreat). A strategy never run competes at the model's step time (the paper's rule: predicted, not
-profiled); once run, at its own measured times, so a prediction that was wrong costs one switch and is
-undone by a confident retreat. One the job can resize into (a step to try, a step to leave) competes
-with the model's error in its bound, and one of the next rung up, a rung not yet run, is tried when
-nothing passes with confidence and it would pay were the model off by that error (a probe:
-`switch_rule`). A time measured in an earlier visit also carries the host's drift between blocks of the
-running strategy's steps. The first decision, at the first GNS estimate, may go to any rung.
+times its upper bound: the measured GNS under-states Adam's critical batch (`switch_rule`). Among those
+that pass, the one with the most progress over that time wins. The candidates: a better layout at the
+running rung and the best predicted strategy of every higher rung (from the search), and the best
+measured strategy of every lower rung (a retreat). A strategy never run competes at the model's step
+time (the paper's rule: predicted, not profiled); once run, at its own measured times, so a prediction
+that was wrong costs one switch and is undone by a confident retreat. One the job can resize into (a
+step to try, a step to leave) competes with the model's error in its bound, and one of the next rung up,
+a rung not yet run, is tried when nothing passes with confidence and it would pay were the model off by
+that error (a probe: `switch_rule`). A time measured in an earlier visit also carries the host's drift
+between blocks of the running strategy's steps. The first decision, at the first GNS estimate, may go to
+any rung.
 
 A background thread recalibrates the iteration-time model from the measured step times and reruns
 the search whenever the measurements moved, and after every switch. A decision uses the search
