@@ -6,8 +6,9 @@ Runs one config (default: WikiText-2, tiny GPT, 4 gloo ranks), each for the same
   static-<gbs>      the shortest predicted iteration time at every other rung of the ladder
   static-...-<rule> the same statics under the other recipe (sqrt when the config's is adascale, else
                     adascale): the best static is taken over both, so a recipe cannot do cona's winning
-  ramp              Megatron's --rampup-batch-size from the lowest rung, in steps of it, to gbs_static over
-                    the first third of the samples the best static run of that seed processed (run last)
+  ramp              Megatron's --rampup-batch-size from the lowest rung, in steps of it, to gbs_static or the
+                    best static run's batch if larger, over the first third of the samples that run processed
+                    (run last)
 Seeds run one after another; inside a seed the runs go in a rotated order (the ramp after the statics),
 so host drift spreads evenly over the conditions. After the first seed, `--drop-worst K` drops the K
 static rungs that reached the fewest targets, then the last of them slowest (said so in the output).
@@ -81,9 +82,10 @@ def variants(doc: dict, ladder: list[int], gbs_static: int, relaunch: bool) -> d
     return runs
 
 
-def ramp_variant(variant: dict, start: int, samples: int) -> dict:
-    """The ramp run with Megatron's [START, INCREMENT, SAMPLES]: from `start` in steps of `start`."""
-    return {**variant, "train": {**variant["train"], "rampup_batch_size": [start, start, max(samples, 1)]}}
+def ramp_variant(variant: dict, start: int, samples: int, final: int) -> dict:
+    """The ramp run with Megatron's [START, INCREMENT, SAMPLES]: from `start` in steps of `start` to `final`."""
+    train = {**variant["train"], "rampup_batch_size": [start, start, max(samples, 1)]}
+    return {**variant, "train": train, "search": {**variant["search"], "gbs_static": final}}
 
 
 def total_samples(run_dir: Path) -> int:
@@ -262,6 +264,7 @@ def main() -> None:
         if name not in runs:
             raise SystemExit(f"--again: no run named {name!r} (runs: {', '.join(runs)})")
         runs[name + AGAIN] = runs[name]
+    every = dict(runs)  # what --drop-worst leaves out still names its batch for the ramp
     targets = [float(t) for t in args.targets.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     base_seed = args.first_seed if args.first_seed is not None else int(doc["train"].get("seed", 1234))
@@ -283,7 +286,8 @@ def main() -> None:
                 if not statics:
                     raise SystemExit("ramp: needs the static runs of its seed (add them to --only)")
                 best = min(statics, key=lambda n: progress(results[n][seed]))
-                variant = ramp_variant(variant, ladder[0], total_samples(args.out / f"s{seed}" / best) // 3)
+                final = max(variant["search"]["gbs_static"], every[best]["search"]["gbs_static"])
+                variant = ramp_variant(variant, ladder[0], total_samples(args.out / f"s{seed}" / best) // 3, final)
             if not (args.reuse and finished(done)):
                 done = run_once(name, variant, seed, args.out, args.max_time)
             results[name][seed] = times(done, targets)
