@@ -82,9 +82,11 @@ def variants(doc: dict, ladder: list[int], gbs_static: int, relaunch: bool) -> d
     return runs
 
 
-def ramp_variant(variant: dict, start: int, samples: int, final: int) -> dict:
-    """The ramp run with Megatron's [START, INCREMENT, SAMPLES]: from `start` in steps of `start` to `final`."""
+def ramp_variant(variant: dict, start: int, samples: int, best_gbs: int) -> dict:
+    """The ramp run with Megatron's [START, INCREMENT, SAMPLES]: from `start` in steps of `start` to gbs_static,
+    or to the best static run's batch `best_gbs` where that is larger (a ramp to a batch that loses is no peer)."""
     train = {**variant["train"], "rampup_batch_size": [start, start, max(samples, 1)]}
+    final = max(variant["search"]["gbs_static"], best_gbs)
     return {**variant, "train": train, "search": {**variant["search"], "gbs_static": final}}
 
 
@@ -286,8 +288,8 @@ def main() -> None:
                 if not statics:
                     raise SystemExit("ramp: needs the static runs of its seed (add them to --only)")
                 best = min(statics, key=lambda n: progress(results[n][seed]))
-                final = max(variant["search"]["gbs_static"], every[best]["search"]["gbs_static"])
-                variant = ramp_variant(variant, ladder[0], total_samples(args.out / f"s{seed}" / best) // 3, final)
+                samples = total_samples(args.out / f"s{seed}" / best)
+                variant = ramp_variant(variant, ladder[0], samples // 3, every[best]["search"]["gbs_static"])
             if not (args.reuse and finished(done)):
                 done = run_once(name, variant, seed, args.out, args.max_time)
             results[name][seed] = times(done, targets)

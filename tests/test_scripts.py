@@ -160,6 +160,22 @@ def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
     assert "| hindsight chain |" in text, text
 
 
+def test_bench_ttp_ramps_to_the_best_static_batch_where_it_is_larger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron's ramp from the lowest rung in steps of it, over the samples given, ends at gbs_static (32) unless
+    the best static run's batch is larger."""
+    spec = importlib.util.spec_from_file_location("cona_script_bench_ttp", script("bench_ttp.py"))
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "cona_script_bench_ttp", bench)
+    spec.loader.exec_module(bench)
+    ramp = {"policy": "ramp", "train": {"lr": 1e-3}, "search": {"gbs_static": 32, "gbs_min": 8}}
+    up = bench.ramp_variant(ramp, 8, 3000, 64)
+    assert up["train"] == {"lr": 1e-3, "rampup_batch_size": [8, 8, 3000]}
+    assert up["search"] == {"gbs_static": 64, "gbs_min": 8}
+    assert bench.ramp_variant(ramp, 8, 3000, 16)["search"]["gbs_static"] == 32
+    assert ramp["search"]["gbs_static"] == 32  # the variant it came from is left as it was
+
+
 @pytest.mark.e2e
 def test_chaos_one_short_chain_run_survives_its_kills() -> None:
     """Seed 0 draws two kills on the switch path of a 20-step chain run (dp2, then pp2 from step 6, then dp2
