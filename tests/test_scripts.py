@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -45,9 +46,8 @@ def test_the_scripts_folder_is_found() -> None:
     assert len(SCRIPTS) >= 10, SCRIPTS
 
 
-@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
-def test_script_imports_as_a_module_without_running(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Importing resolves every name the script takes from cona_cli, launch and tests; main() does not run."""
+def import_script(path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The script as a module `cona_script_<stem>`, imported without running main()."""
     name = f"cona_script_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
@@ -56,7 +56,14 @@ def test_script_imports_as_a_module_without_running(path: Path, monkeypatch: pyt
     monkeypatch.setattr(sys, "argv", [str(path)])  # a script that parsed argv at import would see no args
     monkeypatch.setattr(sys, "path", list(sys.path))  # some scripts put the repository on sys.path
     spec.loader.exec_module(module)
-    assert callable(module.main) and module.main.__module__ == name
+    return module
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_script_imports_as_a_module_without_running(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing resolves every name the script takes from cona_cli, launch and tests; main() does not run."""
+    module = import_script(path, monkeypatch)
+    assert callable(module.main) and module.main.__module__ == f"cona_script_{path.stem}"
 
 
 @pytest.fixture(scope="module")
@@ -163,11 +170,7 @@ def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
 def test_bench_ttp_ramps_to_the_best_static_batch_where_it_is_larger(monkeypatch: pytest.MonkeyPatch) -> None:
     """Megatron's ramp from the lowest rung in steps of it, over the samples given, ends at gbs_static (32) unless
     the best static run's batch is larger."""
-    spec = importlib.util.spec_from_file_location("cona_script_bench_ttp", script("bench_ttp.py"))
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "cona_script_bench_ttp", bench)
-    spec.loader.exec_module(bench)
+    bench = import_script(script("bench_ttp.py"), monkeypatch)
     ramp = {"policy": "ramp", "train": {"lr": 1e-3}, "search": {"gbs_static": 32, "gbs_min": 8}}
     up = bench.ramp_variant(ramp, 8, 3000, 64)
     assert up["train"] == {"lr": 1e-3, "rampup_batch_size": [8, 8, 3000]}
