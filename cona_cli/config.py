@@ -518,6 +518,8 @@ def cross_field_problem(cfg: Config) -> str | None:
         return f"search.n_initial: {s.n_initial} initial points exceed search.budget {s.budget}"
     if t.rampup_batch_size is not None and len(t.rampup_batch_size) != 3:
         return "train.rampup_batch_size: must be [START, INCREMENT, SAMPLES] (Megatron's --rampup-batch-size)"
+    if cfg.policy == "cona" and not t.gns:
+        return "train.gns: policy cona decides on the gradient noise scale; it needs gns: true"
     if cfg.policy == "ramp" and t.rampup_batch_size is None:
         return "policy: ramp needs train.rampup_batch_size [START, INCREMENT, SAMPLES]"
     return None

@@ -16,6 +16,17 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from cona_cli.strategy import Strategy
+
+
+def measurable(s: Strategy, dp_impl: str = "ddp") -> bool:
+    """Whether a step under `s` holds the estimator's two batches: the replicas' gradients (dp > 1) or
+    the first micro-batch's (several of them); under FSDP the latter only, and only without pipelining
+    (its schedule reduces once, after the last micro-batch). One process at gbs = mbs measures nothing."""
+    if dp_impl == "fsdp":
+        return s.pp == 1 and s.n_microbatches > 1
+    return s.dp > 1 or s.n_microbatches > 1
+
 
 def two_batch_estimate(b_small: float, small_sq: float, b_big: float, big_sq: float) -> tuple[float, float]:
     """Raw (|G|^2, tr(Sigma)) from one step's small- and big-batch squared norms."""

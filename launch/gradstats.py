@@ -26,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from cona_cli.gns import measurable
 from launch.dtensor_pieces import counts_here, in_param_layout, local_tensor
 from launch.parallelize import ParallelModel
 
@@ -112,11 +113,10 @@ class NoiseNorms:
     def resize(self) -> None:
         """Follow the strategy's batch sizes (after an in-place resize: the layout is the same)."""
         s = self.pm.strategy
+        self.available = measurable(s, "fsdp" if self.fsdp else "ddp")
         if self.fsdp:
-            self.available = s.pp == 1 and s.n_microbatches > 1
             self.b_small, self.n_small = s.dp * s.mbs, 1
         else:
-            self.available = s.dp > 1 or s.n_microbatches > 1
             self.b_small = s.gbs // s.dp if s.dp > 1 else s.mbs
             self.n_small = s.dp if s.dp > 1 else 1
         # The first micro-batch's gradient arrives as g_0 / m with pp = 1 (we scale the loss), as g_0

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from cona_cli.config import config_from_dict
+from cona_cli.config import ConfigError, config_from_dict
 from cona_cli.control.cona_policy import ConaPolicy
 from cona_cli.control.policies import Stage
 from cona_cli.planner.calibration import Calibrator
@@ -287,3 +287,24 @@ def test_the_noise_scale_pools_only_the_running_batch_sizes_estimates() -> None:
     for step in range(12, 16):
         policy._observe_noise(row(big, step, 40.0 + step % 2))
     assert {gbs for gbs, _, _ in policy.noise} == {16} and 40.0 <= policy.gns().value <= 41.0
+
+
+def test_one_process_runs_only_strategies_that_measure_the_noise_scale() -> None:
+    doc = {k: v for k, v in TINY.items() if k != "strategy"}
+    doc["cluster"] = {"procs_per_node": 1}
+    doc["train"] = {**doc["train"], "max_steps": None, "max_time": 3600}
+    doc["search"] = {"gbs_min": 8, "gbs_max": 32, "mbs": [2, 4, 8, 16, 32]}
+    policy = ConaPolicy(config_from_dict(doc, "test"), load_hardware("cpu-local"))
+    assert policy.current.strategy.mbs < policy.current.strategy.gbs
+    assert all(s.mbs < s.gbs for s in policy.space.feasible)
+    assert Strategy(1, 1, 1, 8, 8) in {s for s, _ in policy.space.rejected}
+    doc["search"]["mbs"] = [8, 16, 32]  # gbs 8 then runs as one micro-batch only
+    with pytest.raises(ValueError, match="no feasible strategy at gbs 8 that measures the noise scale"):
+        ConaPolicy(config_from_dict(doc, "test"), load_hardware("cpu-local"))
+
+
+def test_policy_cona_refuses_a_run_without_the_noise_scale() -> None:
+    doc = {k: v for k, v in TINY.items() if k != "strategy"}
+    doc["train"] = {**doc["train"], "gns": False}
+    with pytest.raises(ConfigError, match="train.gns: policy cona"):
+        config_from_dict(doc, "test")

@@ -41,7 +41,7 @@ from typing import Any
 from cona_cli.config import Config
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.switch_rule import Decision, Estimate, decide
-from cona_cli.gns import NoiseInterval, pooled_noise_scale
+from cona_cli.gns import NoiseInterval, measurable, pooled_noise_scale
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.search import Candidate, SearchResult, search_gbs
@@ -97,7 +97,9 @@ class ConaPolicy(Policy):
         self.cfg, self.hw, self.s = cfg, hw, cfg.search
         self.z = NormalDist().inv_cdf(self.s.confidence)
         self.ladder = gbs_ladder(cfg)
-        self.space = enumerate_space(cfg, hw, self.ladder)
+        space = enumerate_space(cfg, hw, self.ladder)
+        blind = {x for x in space.feasible if not measurable(x, cfg.train.dp_impl)}
+        self.space = space.without(blind, "measures no noise scale (one replica, one micro-batch)")
         self.out_of_memory: set[Strategy] = set()  # strategies that ran out of memory in this run
         self.workload = Workload.from_config(cfg)
         self.samples: dict[Strategy, list[float]] = {}  # measured s/iter of strategies that ran
@@ -117,7 +119,8 @@ class ConaPolicy(Policy):
         self.leading: Strategy | None = None  # the last decision's best candidate
         first = self._search_now(self.ladder[0]).best
         if first is None:
-            raise ValueError(f"search: no feasible strategy at gbs {self.ladder[0]}")
+            why = " that measures the noise scale (needs dp > 1 or gbs > mbs)" if blind else ""
+            raise ValueError(f"search: no feasible strategy at gbs {self.ladder[0]}{why}")
         self.current = Stage(first.strategy, None, "start")
 
     # -- search ------------------------------------------------------------------------------
