@@ -231,6 +231,21 @@ def speedups(
     return out
 
 
+def bench_doc(config: Path, data: Path, max_time: float) -> dict:
+    """The config every run starts from: `data` as its corpus, `max_time` its only stop rule, no policy."""
+    doc = yaml.safe_load(config.read_text())
+    if doc.get("data", {}).get("path"):
+        doc["data"] = {**doc["data"], "path": str(data.resolve())}
+    elif data != DEFAULT_DATA:
+        raise SystemExit(f"--data: {config} trains on the synthetic corpus (no data.path) and cannot take it")
+    doc["train"] = {**doc["train"], "max_time": max_time}
+    for stop in ("target_ppl", "max_steps"):  # run the whole budget: every target gets a time
+        doc["train"].pop(stop, None)
+    for key in ("strategy", "chain", "policy"):
+        doc.pop(key, None)
+    return doc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "wikitext2-gpt-tiny.yaml")
@@ -248,15 +263,7 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="keep run folders that finished; run only the others")
     args = ap.parse_args()
 
-    doc = yaml.safe_load(args.config.read_text())
-    if doc.get("data", {}).get("path"):
-        doc["data"] = {**doc["data"], "path": str(args.data.resolve())}
-    elif args.data != DEFAULT_DATA:
-        raise SystemExit(f"--data: {args.config} trains on the synthetic corpus (no data.path) and cannot take it")
-    doc["train"] = {**doc["train"], "max_time": args.max_time}
-    doc["train"].pop("target_ppl", None)  # run the whole budget: every target gets a time
-    for key in ("strategy", "chain", "policy"):
-        doc.pop(key, None)
+    doc = bench_doc(args.config, args.data, args.max_time)
     cfg = load_config(args.config)
     ladder = gbs_ladder(cfg)
     runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], args.relaunch)

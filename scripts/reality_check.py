@@ -1,12 +1,13 @@
-"""The simulator against real runs: a world made of one seed's static runs predicts another seed's.
+"""The simulator against real runs: a world made of some seeds' static runs predicts another seed's.
 
 Takes a `bench_ttp.py` output folder. The world is `cona simulate --from-run` over the static runs of
-`--world` (the config's own recipe: static-auto and every static-<gbs>; the other recipe's and the
-`--again` reruns are left out). Its predicted speed-ups over static-auto (t_static-auto / t_run, median
-over the simulator's noise seeds) are printed beside the ones measured in each `--measured` seed, and
-in the world's own seed for scale; a cell is within the target when predicted / measured is within 15 %.
+the `--world` seeds (the config's own recipe: static-auto and every static-<gbs>; the other recipe's and
+the `--again` reruns are left out; with several seeds a rung's curve is the mean of its runs). Its
+predicted speed-ups over static-auto (t_static-auto / t_run, median over the simulator's noise seeds)
+are printed beside the ones measured in each `--measured` seed, and in the world's own seeds (median)
+for scale; a cell is within the target when predicted / measured is within 15 %.
 
-    python scripts/reality_check.py --runs runs/ttp --world 1253 --measured 1254 [--measured 1252]
+    python scripts/reality_check.py --runs runs/ttp --world 1253 [--world 1255] --measured 1254
         [--config configs/wikitext2-gpt-tiny.yaml] [--targets 600,450,350,300] [--seeds 5] [--max-time 240]
 """
 
@@ -67,6 +68,13 @@ def speedups(table: dict) -> dict:
     return {n: [a / t if a and t else None for a, t in zip(auto, ts)] for n, ts in table.items() if n != "static-auto"}
 
 
+def median_speedups(tables: list[dict]) -> dict:
+    """Per run and target, the median over seeds' speed-ups (None unless most seeds reached it)."""
+    names = {n for table in tables for n in table}
+    width = max(len(ts) for table in tables for ts in table.values())
+    return {n: [_median([t.get(n, [None] * width)[i] for t in tables]) for i in range(width)] for n in names}
+
+
 def _median(values: list[float | None]) -> float | None:
     reached = [v for v in values if v is not None]
     return statistics.median(reached) if len(reached) > len(values) / 2 else None
@@ -79,7 +87,7 @@ def _fmt(v: float | None) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=Path, required=True, help="a bench_ttp.py --out folder")
-    p.add_argument("--world", type=int, required=True, help="the seed whose static runs make the world")
+    p.add_argument("--world", type=int, action="append", required=True, help="a seed whose static runs make the world")
     p.add_argument("--measured", type=int, action="append", required=True, help="a seed to predict (repeatable)")
     p.add_argument("--config", type=Path, default=REPO / "configs" / "wikitext2-gpt-tiny.yaml")
     p.add_argument("--targets", default="600,450,350,300")
@@ -87,17 +95,22 @@ def main() -> None:
     p.add_argument("--max-time", type=float, default=240.0)
     args = p.parse_args()
     targets = [float(t) for t in args.targets.split(",")]
+    if set(args.world) & set(args.measured):
+        p.error("--measured: a seed of the world predicts itself; name other seeds")
 
-    world = world_runs(args.runs / f"s{args.world}")
-    print(f"world: seed {args.world}'s {', '.join(d.name for d in world)}; {args.seeds} noise seeds", flush=True)
+    world = [run for seed in args.world for run in world_runs(args.runs / f"s{seed}")]
+    seeds = ", ".join(map(str, args.world))
+    print(f"world: seeds {seeds}: {', '.join(sorted({d.name for d in world}))}; {args.seeds} noise seeds", flush=True)
     pred = speedups(predicted(args.config, world, targets, args.seeds, args.max_time))
     names = sorted(pred, key=lambda n: (n != "cona", n))
-    own = speedups(measured(args.runs / f"s{args.world}", ["static-auto", *names], targets))
+    own = median_speedups(
+        [speedups(measured(args.runs / f"s{seed}", ["static-auto", *names], targets)) for seed in args.world]
+    )
     header = "| run | " + " | ".join(f"ppl {t:g}" for t in targets) + " |"
     within, cells = 0, 0
     for seed in args.measured:
         real = speedups(measured(args.runs / f"s{seed}", ["static-auto", *names], targets))
-        print(f"\nspeed-up over static-auto: predicted / measured in seed {seed} / measured in seed {args.world}")
+        print(f"\nspeed-up over static-auto: predicted / measured in seed {seed} / measured in seeds {seeds}")
         print(f"(predicted over measured in seed {seed}; within {TOLERANCE:.0%} is the target)\n")
         print(header)
         print("|" + "---|" * (len(targets) + 1))

@@ -179,6 +179,22 @@ def test_bench_ttp_ramps_to_the_best_static_batch_where_it_is_larger(monkeypatch
     assert ramp["search"]["gbs_static"] == 32  # the variant it came from is left as it was
 
 
+def test_bench_ttp_runs_every_config_for_its_whole_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tiny.yaml stops at max_steps 600 or target_ppl 20: a benchmark run drops both and keeps max_time."""
+    bench = import_script(script("bench_ttp.py"), monkeypatch)
+    doc = bench.bench_doc(REPO / "configs" / "tiny.yaml", bench.DEFAULT_DATA, 90.0)
+    assert doc["train"]["max_time"] == 90.0
+    assert "max_steps" not in doc["train"] and "target_ppl" not in doc["train"]
+    assert doc["train"]["decay_tokens"] == 3_000_000 and "policy" not in doc
+
+
+def test_reality_check_takes_each_cell_from_most_world_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    check = import_script(script("reality_check.py"), monkeypatch)
+    seeds = [{"cona": [1.0, 1.2], "static-16": [0.9, None]}, {"cona": [1.1, None]}, {"cona": [1.3, 1.4]}]
+    table = check.median_speedups(seeds)
+    assert table["cona"] == pytest.approx([1.1, 1.3]) and table["static-16"] == [None, None]
+
+
 @pytest.mark.e2e
 def test_chaos_one_short_chain_run_survives_its_kills() -> None:
     """Seed 0 draws two kills on the switch path of a 20-step chain run (dp2, then pp2 from step 6, then dp2
