@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import math
+import queue
 import random
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 import pytest
 
 from cona_cli.config import ConfigError, config_from_dict
 from cona_cli.control.cona_policy import ConaPolicy
+from cona_cli.control.controller import Controller
 from cona_cli.control.policies import Stage
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import load_hardware
@@ -308,3 +311,22 @@ def test_policy_cona_refuses_a_run_without_the_noise_scale() -> None:
     doc["train"] = {**doc["train"], "gns": False}
     with pytest.raises(ConfigError, match="train.gns: policy cona"):
         config_from_dict(doc, "test")
+
+
+def test_the_controller_acts_on_the_first_stage_of_a_queued_batch() -> None:
+    """A loaded host queues several rows: every one reaches the policy, and the decision acted on is the
+    first one the policy returned, as when the rows arrive one at a time (what a replay assumes)."""
+    controller = Controller.__new__(Controller)
+    controller.telemetry = SimpleNamespace(messages=queue.Queue())
+    for i in range(4):
+        controller.telemetry.messages.put({"i": i})
+    seen: list[int] = []
+    stages = {1: "first", 2: "second"}
+
+    def handle(msg: dict, prev: object, progress: object) -> object:
+        seen.append(msg["i"])
+        return stages.get(msg["i"])
+
+    controller._handle = handle  # type: ignore[method-assign]
+    assert controller._drain(None, None) == "first"  # type: ignore[arg-type]
+    assert seen == [0, 1, 2, 3]

@@ -370,7 +370,9 @@ class Controller:
         self.policy.resized(stage, seconds)
 
     def _drain(self, prev: Prev | None, progress: Progress, wait: float = 0.0) -> Stage | None:
-        """Handle queued telemetry messages; returns a stage the policy wants to switch to."""
+        """Handle queued telemetry messages; returns the first stage the policy wants to switch to. The
+        first, as when the rows arrive one at a time: what a loaded host queues must not change the
+        decision acted on (a recorded run replays exactly, `cona_cli.simulate.replay`)."""
         switch_to = None
         self._dirty = False
         try:
@@ -378,7 +380,8 @@ class Controller:
         except queue.Empty:
             return None
         while True:
-            switch_to = self._handle(msg, prev, progress) or switch_to
+            stage = self._handle(msg, prev, progress)
+            switch_to = switch_to or stage
             try:
                 msg = self.telemetry.messages.get_nowait()
             except queue.Empty:
