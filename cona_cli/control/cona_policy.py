@@ -119,7 +119,8 @@ class ConaPolicy(Policy):
         self.leading: Strategy | None = None  # the last decision's best candidate
         first = self._search_now(self.ladder[0]).best
         if first is None:
-            why = " that measures the noise scale (needs dp > 1 or gbs > mbs)" if blind else ""
+            lowest_blind = any(x.gbs == self.ladder[0] for x in blind)
+            why = " that measures the noise scale (needs dp > 1 or gbs > mbs)" if lowest_blind else ""
             raise ValueError(f"search: no feasible strategy at gbs {self.ladder[0]}{why}")
         self.current = Stage(first.strategy, None, "start")
 
