@@ -50,23 +50,56 @@ def scale_grads(pm: ParallelModel, factor: torch.Tensor) -> None:
         torch._foreach_mul_(grads, factor.to(grads[0].dtype))
 
 
+# Elements per multi-tensor pass. On GPUs it bounds the temporaries (64 MiB in fp32) while each pass
+# launches a few kernels for many parameters; on CPUs each parameter is its own pass, so that its four
+# passes run while it is in cache (one pass over many parameters measured 1.4x slower there).
+CHUNK_ELEMENTS = {"cuda": 1 << 24}
+
+
+def _chunks(items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Consecutive runs of (second moment, gradient) pairs of about the device's `CHUNK_ELEMENTS` each."""
+    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    size = 0
+    limit = CHUNK_ELEMENTS.get(items[0][1].device.type, 0) if items else 0
+    for item in items:
+        if out[-1] and size >= limit:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += item[1].numel()
+    return out
+
+
 class Preconditioner:
     """Adam's elementwise 1 / (√v̂ + ε), read from the optimizer's state when it is applied (no copy of
-    v̂ is kept: one parameter's temporary at a time)."""
+    v̂ is kept: one chunk's temporaries at a time)."""
 
     def __init__(self, opt: torch.optim.Optimizer) -> None:
         self.opt = opt
         self.group = {id(p): g for g in opt.param_groups for p in g["params"]}
 
     @torch.no_grad()
-    def sq(self, p: nn.Parameter, g: torch.Tensor) -> torch.Tensor:
-        """|P g|^2 of the local piece `g` of p's gradient (in p's layout)."""
-        state = self.opt.state[p]
-        group = self.group[id(p)]
-        correction = 1 - group["betas"][1] ** float(state["step"])
-        denom = (local_tensor(state["exp_avg_sq"]) / correction).sqrt_().add_(group["eps"])
-        pg = (local_tensor(g) / denom).reshape(-1)
-        return torch.dot(pg, pg).double()
+    def sq(self, pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> torch.Tensor | None:
+        """Σ |P g|² over (parameter, its local gradient piece in the parameter's layout) pairs (None for
+        none). Multi-tensor kernels, a few launches per chunk of parameters: launched one parameter at a
+        time, these kernels made a measured step of a small GPU model half as long again."""
+        by_key: dict[tuple[float, float], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for p, g in pairs:
+            state, group = self.opt.state[p], self.group[id(p)]
+            correction = 1 - group["betas"][1] ** float(state["step"])
+            by_key.setdefault((correction, group["eps"]), []).append(
+                (local_tensor(state["exp_avg_sq"]), local_tensor(g))
+            )
+        parts = []
+        for (correction, eps), items in by_key.items():
+            # g / (√(v/c) + ε) = √c · g / (√v + ε√c): four passes over the chunk, the last one a norm
+            norms: list[torch.Tensor] = []
+            for chunk in _chunks(items):
+                denom = torch._foreach_sqrt([v for v, _ in chunk])
+                torch._foreach_add_(denom, eps * correction**0.5)
+                norms += torch._foreach_norm(torch._foreach_div([g for _, g in chunk], denom))
+            parts.append(torch.stack(norms).double().pow(2).sum() * correction)
+        return torch.stack(parts).sum() if parts else None
 
     def ready(self, pm: ParallelModel) -> bool:
         """Every parameter has a second moment (the optimizer has stepped; checked until it is true)."""
@@ -82,13 +115,13 @@ class NoiseNorms:
     Big batch: the step's (data-parallel reduced) gradient. Small batches: dp > 1, the replicas' batches
     (gbs/dp samples each), each replica's local gradient *before* the data-parallel reduction (read in
     DDP's communication hook, or as each bucket of our own all-reduce launches); dp = 1, the step's first micro-batch
-    (mbs samples), whose gradient is what the first accumulation writes into each `.grad` (read in
-    post-accumulate hooks). Under FSDP (pp = 1), which reduce-scatters every micro-batch's gradient
-    during its backward, the small batch is the step's first micro-batch of every replica (dp·mbs
-    samples), read the same way as it lands in the sharded gradients; under FSDP with PP the schedule
-    reduces only after the last micro-batch, and nothing is measured. Summed over ranks,
-    `small_share()` / `n_small` is the mean |P G_small|^2 and `big_share()` is |P G_big|^2. Hooks only
-    queue 0-d tensors; nothing is read on the host here.
+    (mbs samples), whose gradient is what the first accumulation writes into each `.grad` (read once
+    that micro-batch's backward is through; under a pipeline schedule in post-accumulate hooks). Under
+    FSDP (pp = 1), which reduce-scatters every micro-batch's gradient during its backward, the small batch
+    is the step's first micro-batch of every replica (dp·mbs samples), read the same way from the sharded
+    gradients; under FSDP with PP the schedule reduces only after the last micro-batch, and nothing is
+    measured. Summed over ranks, `small_share()` / `n_small` is the mean |P G_small|^2 and `big_share()`
+    is |P G_big|^2. Only 0-d device tensors are queued; nothing is read on the host here.
     """
 
     def __init__(self, pm: ParallelModel, opt: torch.optim.Optimizer, vocab_params: tuple[str, ...]) -> None:
@@ -96,7 +129,7 @@ class NoiseNorms:
         self.precond = Preconditioner(opt)
         self.active = False  # this step measures (the worker holds the estimator while v̂ settles)
         self._pending: list[torch.Tensor] = []
-        self._hooks: dict[nn.Parameter, torch.utils.hooks.RemovableHandle] = {}
+        self._hooks: dict[nn.Parameter, torch.utils.hooks.RemovableHandle] = {}  # pp > 1: per parameter
         named = pm.model.named_parameters(remove_duplicate=False)
         left_out = {id(p) for name, p in named if name in vocab_params}
         if any(id(t) not in left_out for t in pm.tied):
@@ -133,7 +166,11 @@ class NoiseNorms:
         """`measure`: this step feeds the estimator (needs every parameter's second moment)."""
         self.active = measure and self.available and self.precond.ready(self.pm)
         self._pending.clear()
-        if self.active and self._first_microbatch:  # each hook removes itself after the first micro-batch
+        first = self.active and self._first_microbatch
+        # pp = 1: all at once after the first micro-batch's backward; under a pipeline schedule, as each
+        # parameter's gradient lands (each hook removes itself after the first micro-batch).
+        self.pm.after_first_backward = self._after_first_backward if first and self.pm.strategy.pp == 1 else None
+        if first and self.pm.strategy.pp > 1:
             for p in self.params:
                 self._hooks[p] = p.register_post_accumulate_grad_hook(self._first_microbatch_hook)
 
@@ -148,46 +185,52 @@ class NoiseNorms:
         """This rank's share of |P g|^2 of the reduced gradient (after the data-parallel average)."""
         if not self.active:
             return 0.0
-        sqs = self._precond_sqs(("dp", "tp"))
-        return torch.stack(sqs).sum() if sqs else 0.0
+        sq = self._precond_sq(("dp", "tp"))
+        return 0.0 if sq is None else sq
 
     def _counts(self, g: torch.Tensor, dims: tuple[str, ...]) -> bool:
         return counts_here(g, self.pm.coord, dims)
 
-    def _precond_sqs(self, dims: tuple[str, ...], params: list[nn.Parameter] | None = None) -> list[torch.Tensor]:
-        """Per-parameter |P g|^2 of the pieces this rank counts along `dims` (gradients in their
-        parameters' layouts, so that each piece lines up with its second moment), over `params`
-        (default: every measured parameter)."""
-        out = []
+    def _precond_sq(self, dims: tuple[str, ...], params: list[nn.Parameter] | None = None) -> torch.Tensor | None:
+        """Σ |P g|^2 of the pieces this rank counts along `dims` (gradients in their parameters' layouts,
+        so that each piece lines up with its second moment), over `params` (default: every measured
+        parameter)."""
+        pairs = []
         for p in self.params if params is None else params:
             if p.grad is None:
                 continue
             g = in_param_layout(p, p.grad)
             if self._counts(g, dims):
-                out.append(self.precond.sq(p, g))
-        return out
+                pairs.append((p, g))
+        return self.precond.sq(pairs)
+
+    def _keep(self, sq: torch.Tensor | None) -> None:
+        if sq is not None:
+            self._pending.append(sq)
 
     def _ddp_hook(self, state, bucket):
         # Unannotated on purpose: DDP checks the annotations' objects, and postponed annotations
         # make them strings it rejects. (state: the process group; returns allreduce's future.)
         # Pure data parallelism (tp = pp = 1): every local gradient is the whole replica's.
         if self.active:
-            self._pending += [
-                self.precond.sq(p, g)
-                for p, g in zip(bucket.parameters(), bucket.gradients())
-                if id(p) in self._measured
-            ]
+            pairs = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if id(p) in self._measured]
+            self._keep(self.precond.sq(pairs))
         return allreduce_hook(state, bucket)
 
     @torch.no_grad()
     def _before_reduce(self, params: list[nn.Parameter]) -> None:
         """A bucket of this replica's final local gradients, just before their dp all-reduce."""
         if self.active:
-            self._pending += self._precond_sqs(("tp",), [p for p in params if id(p) in self._measured])
+            self._keep(self._precond_sq(("tp",), [p for p in params if id(p) in self._measured]))
+
+    @torch.no_grad()
+    def _after_first_backward(self) -> None:
+        """pp = 1: every gradient now holds the first micro-batch's (dp = 1, or FSDP's, reduced over dp)."""
+        self._keep(self._precond_sq(("dp", "tp")))
 
     @torch.no_grad()
     def _first_microbatch_hook(self, p: nn.Parameter) -> None:
         self._hooks.pop(p).remove()
         g = in_param_layout(p, p.grad)
         if self._counts(g, ("dp", "tp")):  # dp = 1, or FSDP's gradient already reduced over dp
-            self._pending.append(self.precond.sq(p, g))
+            self._keep(self.precond.sq([(p, g)]))

@@ -50,6 +50,9 @@ class ParallelModel:
     # FSDP with pp = 1: the middle micro-batches' gradients stay unsharded on each rank, without a
     # reduce-scatter each (the worker sets it where memory allows: `unsharded_grad_bytes` more per rank)
     accumulate_unsharded: bool = False
+    # Called once the first micro-batch's backward is through (pp = 1, two or more micro-batches): the
+    # noise scale reads that micro-batch's gradient there (`launch.gradstats`)
+    after_first_backward: Callable[[], None] | None = None
 
     def counted_grads(self, dims: tuple[str, ...]) -> list[torch.Tensor]:
         """Local gradient pieces this rank counts (see `counts_here`); a tied parameter's once, on the
@@ -115,6 +118,8 @@ class ParallelModel:
             with nullcontext() if sync else self.wrapped.no_sync():
                 loss = self.loss(self.wrapped(x), y)
                 (loss / m).backward()
+            if i == 0 and m > 1 and self.after_first_backward is not None:
+                self.after_first_backward()
             losses.append(loss.detach())
         return torch.stack(losses).sum()
 

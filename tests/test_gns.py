@@ -95,7 +95,7 @@ FAMILY_MODEL = {"gpt": {}, "llama": {"n_heads": 8, "n_kv_heads": 4}, "bert": {}}
     "nproc,layouts,family",
     [
         (4, "2-2-1,1-2-2,fsdp-2-2-1", "gpt"),
-        (2, "1-1-2,2-1-1,fsdp-2-1-1", "gpt"),
+        (2, "1-1-2,2-1-1,fsdp-2-1-1,1-2-1", "gpt"),
         (4, "1-2-2,2-1-2", "llama"),
         (4, "1-2-2,2-1-2", "bert"),
     ],

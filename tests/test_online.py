@@ -306,6 +306,19 @@ def test_one_process_runs_only_strategies_that_measure_the_noise_scale() -> None
         ConaPolicy(config_from_dict(doc, "test"), load_hardware("cpu-local"))
 
 
+def test_a_standby_is_wanted_only_where_a_switch_may_need_a_relaunch() -> None:
+    """On one device every strategy keeps the mesh, so every switch resizes in place and a standby would
+    only take host cores and a device context from the job; with four ranks layouts differ."""
+    doc = {k: v for k, v in TINY.items() if k != "strategy"}
+    doc["cluster"] = {"procs_per_node": 1}
+    doc["search"] = {"gbs_min": 8, "gbs_max": 32, "mbs": [2, 4, 8, 16]}
+    one = ConaPolicy(config_from_dict(doc, "test"), load_hardware("cpu-local"))
+    assert one.may_switch() and not one.may_relaunch()
+    doc["search"] = {**doc["search"], "in_place": False}
+    assert ConaPolicy(config_from_dict(doc, "test"), load_hardware("cpu-local")).may_relaunch()
+    assert _policy().may_relaunch()
+
+
 def test_policy_cona_refuses_a_run_without_the_noise_scale() -> None:
     doc = {k: v for k, v in TINY.items() if k != "strategy"}
     doc["train"] = {**doc["train"], "gns": False}

@@ -175,6 +175,10 @@ class ConaPolicy(Policy):
     def may_switch(self) -> bool:
         return len(self.ladder) > 1
 
+    def may_relaunch(self) -> bool:
+        cur = self.current.strategy
+        return self.may_switch() and not (self.in_place and all(s == cur or resizable(cur, s) for s in self.space.feasible))
+
     def expected_next(self) -> Strategy | None:
         return self.leading
 

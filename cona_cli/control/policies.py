@@ -52,8 +52,13 @@ class Policy:
         return None
 
     def may_switch(self) -> bool:
-        """Whether a later stage may follow the running one (worth pre-warming a standby job)."""
+        """Whether a later stage may follow the running one."""
         return False
+
+    def may_relaunch(self) -> bool:
+        """Whether a later stage may need a new job, a layout the running one cannot resize into (only
+        then is a standby worth its start: on GPUs it takes host cores and a device context from the job)."""
+        return self.may_switch()
 
     def expected_next(self) -> Strategy | None:
         """The strategy the next switch most likely goes to, if the policy can tell (a standby builds it ahead)."""

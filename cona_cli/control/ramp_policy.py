@@ -61,6 +61,9 @@ class RampPolicy(Policy):
     def may_switch(self) -> bool:
         return self.current.strategy.gbs < self.final.gbs
 
+    def may_relaunch(self) -> bool:
+        return self.may_switch() and not self.in_place  # the ramp keeps the final strategy's mesh
+
     def expected_next(self) -> Strategy | None:
         return self.at(min(self.current.strategy.gbs + self.increment, self.final.gbs)) if self.may_switch() else None
 

@@ -106,10 +106,10 @@ class StandbyPool:
         self.standby: Standby | None = None
 
     def maybe_start(self, launch: int, relaunch_expected: Strategy | None) -> None:
-        """Once launch `launch - 1` is stepping, pre-warm launch `launch` if a switch may come. With CPU
+        """Once launch `launch - 1` is stepping, pre-warm launch `launch` if a relaunch may come. With CPU
         ranks and a policy that resizes in place, only once the switch it expects next needs a new layout
         (`relaunch_expected`): there a standby's start takes cores from the job."""
-        if self.standby is not None or not self.cfg.cluster.standby or not self.policy.may_switch():
+        if self.standby is not None or not self.cfg.cluster.standby or not self.policy.may_relaunch():
             return
         if self.policy.in_place and not may_use_gpus(self.cfg.cluster) and relaunch_expected is None:
             return
