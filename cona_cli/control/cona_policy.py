@@ -177,7 +177,9 @@ class ConaPolicy(Policy):
 
     def may_relaunch(self) -> bool:
         cur = self.current.strategy
-        return self.may_switch() and not (self.in_place and all(s == cur or resizable(cur, s) for s in self.space.feasible))
+        return self.may_switch() and not (
+            self.in_place and all(s == cur or resizable(cur, s) for s in self.space.feasible)
+        )
 
     def expected_next(self) -> Strategy | None:
         return self.leading
