@@ -11,7 +11,8 @@ Checks (TF32 off): every feasible (dp, tp, pp) layout against a plain single-dev
 memory against the planner's estimate per layout (ratio, target within +-20%); DCP resharding through
 up to three layouts and back to the first (each layout trains a step, saves into its own folder, and the
 next one loads that save: weights and Adam moments exact); the pure data-parallel step time against a plain
-single-device loop at the same per-device batch (ratio <= 1.10). `--cpu` runs the same code on gloo with
+single-device loop at the same per-device batch (ratio <= 1.10), and the step that measures the noise
+scale against the same step without (ratio <= 1.10). `--cpu` runs the same code on gloo with
 a tiny model and fewer steps: it exercises the script, its figures say nothing about GPUs (the memory
 ratio there compares the process's peak resident set, interpreter and libraries included).
 """
@@ -228,28 +229,38 @@ def main() -> None:
     sys.exit(1 if failed[0] else 0)
 
 
+def median_step(w: Worker, steps: int, device) -> float:
+    """Median seconds per `train_step`, device synchronised, the first two steps left out."""
+    measured = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        w.train_step(False)
+        synchronize(device)
+        measured.append(time.perf_counter() - t0)
+    return sorted(measured[2:])[len(measured[2:]) // 2]
+
+
 def row_time(cfg: Config, corpus: CorpusInfo, run_dir: Path, world: int, gbs: int, few: int, device, row) -> None:
-    """The pure data-parallel step time against a plain single-device loop at the same per-device batch."""
+    """The pure data-parallel step time against a plain single-device loop at the same per-device batch,
+    and the step with the noise scale measured against the same step without (two micro-batches each)."""
     per_device = gbs // world
     times = [None]
     if dist.get_rank() == 0:
         times = [plain_losses(cfg, corpus, per_device, few + 5, device)[1]]
     dist.broadcast_object_list(times)
-    w = Worker(cfg, run_dir, Strategy(world, 1, 1, per_device, gbs), 1, device)
-    measured = []
-    for _ in range(few + 5):
-        t0 = time.perf_counter()
-        w.train_step(False)
-        synchronize(device)
-        measured.append(time.perf_counter() - t0)
-    step = sorted(measured[2:])[len(measured[2:]) // 2]
-    row(
-        "step time / plain loop",
-        f"dp{world} (same batch per device)",
-        step / times[0],
-        "<= 1.10",
-        step / times[0] <= 1.1,
-    )
+    step = median_step(Worker(cfg, run_dir, Strategy(world, 1, 1, per_device, gbs), 1, device), few + 5, device)
+    ratio = step / times[0]
+    row("step time / plain loop", f"dp{world} (same batch per device)", ratio, "<= 1.10", ratio <= 1.1)
+    s = Strategy(world, 1, 1, max(1, per_device // 2), gbs)
+    steps = {}
+    for gns in (False, True):
+        w = Worker(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, gns=gns)), run_dir, s, 1, device)
+        w.state.gns_from_step = 1  # measured from the second step (Adam's second moment exists then)
+        steps[gns] = median_step(w, few + 5, device)
+        del w
+        gc.collect()
+    ratio = steps[True] / steps[False]
+    row("step with GNS / without", str(s), ratio, "<= 1.10", ratio <= 1.1)
 
 
 if __name__ == "__main__":

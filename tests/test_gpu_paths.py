@@ -462,3 +462,16 @@ def test_gpu_checks_exits_non_zero_when_a_row_fails() -> None:
     assert bad.returncode != 0, bad.stdout[-2000:]
     rows = [line for line in bad.stdout.splitlines() if line.startswith("DCP reshard")]
     assert [line.endswith("NO") for line in rows] == [True, False, False] and "1 of 3 checks failed" in bad.stdout
+
+
+@pytest.mark.e2e
+def test_gpu_checks_times_the_step_with_and_without_the_noise_scale(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(REPO / "scripts" / "gpu_checks.py"), "--cpu", "--checks", "time", "--out", str(tmp_path / "rows.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-2000:]  # timing on a shared CPU may fail
+    rows = {r["check"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert set(rows) == {"step time / plain loop", "step with GNS / without"}
+    assert rows["step with GNS / without"]["layout"] == "dp2-tp1-pp1-mbs2-gbs8"
+    assert all(0 < r["value"] < 100 for r in rows.values()), rows
