@@ -34,7 +34,12 @@ from launch.parallelize import ParallelModel
 def _sq(tensors: list[torch.Tensor]) -> torch.Tensor | float:
     if not tensors:
         return 0.0
-    return torch.stack(torch._foreach_norm(tensors)).double().pow(2).sum()
+    return _sum_sq(torch._foreach_norm(tensors))
+
+
+def _sum_sq(norms: list[torch.Tensor]) -> torch.Tensor:
+    """Σ n² of 0-d norms, in float64."""
+    return torch.stack(norms).double().pow(2).sum()
 
 
 def local_grad_sq(pm: ParallelModel) -> torch.Tensor | float:
@@ -79,10 +84,10 @@ class Preconditioner:
         self.group = {id(p): g for g in opt.param_groups for p in g["params"]}
 
     @torch.no_grad()
-    def sq(self, pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> torch.Tensor | None:
-        """Σ |P g|² over (parameter, its local gradient piece in the parameter's layout) pairs (None for
-        none). Multi-tensor kernels, a few launches per chunk of parameters: launched one parameter at a
-        time, these kernels made a measured step of a small GPU model half as long again."""
+    def norms(self, pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> list[torch.Tensor]:
+        """|P g| of each (parameter, its local gradient piece in the parameter's layout) pair, as 0-d fp32
+        device tensors. Multi-tensor kernels, a few launches per chunk of parameters: launched one
+        parameter at a time, these kernels made a measured step of a small GPU model half as long again."""
         by_key: dict[tuple[float, float], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for p, g in pairs:
             state, group = self.opt.state[p], self.group[id(p)]
@@ -90,16 +95,17 @@ class Preconditioner:
             by_key.setdefault((correction, group["eps"]), []).append(
                 (local_tensor(state["exp_avg_sq"]), local_tensor(g))
             )
-        parts = []
+        out: list[torch.Tensor] = []
         for (correction, eps), items in by_key.items():
-            # g / (√(v/c) + ε) = √c · g / (√v + ε√c): four passes over the chunk, the last one a norm
+            # g / (√(v/c) + ε) = √c · g / (√v + ε√c): three passes over the chunk and its norm
             norms: list[torch.Tensor] = []
             for chunk in _chunks(items):
                 denom = torch._foreach_sqrt([v for v, _ in chunk])
                 torch._foreach_add_(denom, eps * correction**0.5)
                 norms += torch._foreach_norm(torch._foreach_div([g for _, g in chunk], denom))
-            parts.append(torch.stack(norms).double().pow(2).sum() * correction)
-        return torch.stack(parts).sum() if parts else None
+            torch._foreach_mul_(norms, correction**0.5)
+            out += norms
+        return out
 
     def ready(self, pm: ParallelModel) -> bool:
         """Every parameter has a second moment (the optimizer has stepped; checked until it is true)."""
@@ -121,7 +127,7 @@ class NoiseNorms:
     is the step's first micro-batch of every replica (dp·mbs samples), read the same way from the sharded
     gradients; under FSDP with PP the schedule reduces only after the last micro-batch, and nothing is
     measured. Summed over ranks, `small_share()` / `n_small` is the mean |P G_small|^2 and `big_share()`
-    is |P G_big|^2. Only 0-d device tensors are queued; nothing is read on the host here.
+    is |P G_big|^2. Only 0-d device norms are queued; nothing is read on the host here.
     """
 
     def __init__(self, pm: ParallelModel, opt: torch.optim.Optimizer, vocab_params: tuple[str, ...]) -> None:
@@ -177,7 +183,7 @@ class NoiseNorms:
     def small_share(self) -> torch.Tensor | float:
         if not self.active or not self._pending:
             return 0.0
-        share = torch.stack(self._pending).sum() * self._scale
+        share = _sum_sq(self._pending) * self._scale
         self._pending.clear()
         return share
 
@@ -185,16 +191,15 @@ class NoiseNorms:
         """This rank's share of |P g|^2 of the reduced gradient (after the data-parallel average)."""
         if not self.active:
             return 0.0
-        sq = self._precond_sq(("dp", "tp"))
-        return 0.0 if sq is None else sq
+        norms = self._precond_norms(("dp", "tp"))
+        return _sum_sq(norms) if norms else 0.0
 
     def _counts(self, g: torch.Tensor, dims: tuple[str, ...]) -> bool:
         return counts_here(g, self.pm.coord, dims)
 
-    def _precond_sq(self, dims: tuple[str, ...], params: list[nn.Parameter] | None = None) -> torch.Tensor | None:
-        """Σ |P g|^2 of the pieces this rank counts along `dims` (gradients in their parameters' layouts,
-        so that each piece lines up with its second moment), over `params` (default: every measured
-        parameter)."""
+    def _precond_norms(self, dims: tuple[str, ...], params: list[nn.Parameter] | None = None) -> list[torch.Tensor]:
+        """|P g| of the pieces this rank counts along `dims` (gradients in their parameters' layouts, so
+        that each piece lines up with its second moment), over `params` (default: every measured parameter)."""
         pairs = []
         for p in self.params if params is None else params:
             if p.grad is None:
@@ -202,11 +207,7 @@ class NoiseNorms:
             g = in_param_layout(p, p.grad)
             if self._counts(g, dims):
                 pairs.append((p, g))
-        return self.precond.sq(pairs)
-
-    def _keep(self, sq: torch.Tensor | None) -> None:
-        if sq is not None:
-            self._pending.append(sq)
+        return self.precond.norms(pairs)
 
     def _ddp_hook(self, state, bucket):
         # Unannotated on purpose: DDP checks the annotations' objects, and postponed annotations
@@ -214,23 +215,23 @@ class NoiseNorms:
         # Pure data parallelism (tp = pp = 1): every local gradient is the whole replica's.
         if self.active:
             pairs = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if id(p) in self._measured]
-            self._keep(self.precond.sq(pairs))
+            self._pending += self.precond.norms(pairs)
         return allreduce_hook(state, bucket)
 
     @torch.no_grad()
     def _before_reduce(self, params: list[nn.Parameter]) -> None:
         """A bucket of this replica's final local gradients, just before their dp all-reduce."""
         if self.active:
-            self._keep(self._precond_sq(("tp",), [p for p in params if id(p) in self._measured]))
+            self._pending += self._precond_norms(("tp",), [p for p in params if id(p) in self._measured])
 
     @torch.no_grad()
     def _after_first_backward(self) -> None:
         """pp = 1: every gradient now holds the first micro-batch's (dp = 1, or FSDP's, reduced over dp)."""
-        self._keep(self._precond_sq(("dp", "tp")))
+        self._pending += self._precond_norms(("dp", "tp"))
 
     @torch.no_grad()
     def _first_microbatch_hook(self, p: nn.Parameter) -> None:
         self._hooks.pop(p).remove()
         g = in_param_layout(p, p.grad)
         if self._counts(g, ("dp", "tp")):  # dp = 1, or FSDP's gradient already reduced over dp
-            self._keep(self.precond.sq([(p, g)]))
+            self._pending += self.precond.norms([(p, g)])
