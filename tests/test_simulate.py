@@ -252,3 +252,6 @@ def test_replay_refuses_what_one_uninterrupted_cona_run_did_not_record(tmp_path:
     (tmp_path / "events.jsonl").write_text(json.dumps({"kind": "resume", "step": 4, "time": 1.0}) + "\n")
     with pytest.raises(NotReplayable, match="resumed or restarted"):
         replay(tmp_path)
+    (tmp_path / "events.jsonl").write_text(json.dumps({"kind": "standby", "launch": 2, "time": 1.0}) + "\n")
+    with pytest.raises(NotReplayable, match="standby events name no step"):
+        replay(tmp_path)

@@ -204,7 +204,7 @@ class Controller:
             reason=reason or stage.reason,
             standby=warm,
         )
-        self.policy.standby_ready = False
+        self.policy.standby_ready = self.policy.standby_importing = False  # the standby is this launch now, or gone
         if standby is not None:
             agents, pumps = self.standbys.hand_over(stage, resume).agents, standby.pumps
         else:
@@ -310,7 +310,7 @@ class Controller:
                 return requested, failed, False
             if not failed and self._switch_committed(outcome_path, requested):
                 return requested, failed, True
-            self.standbys.poll()
+            self.standbys.poll(int(self.last_metric.get("step", 0)))
             switch_to = self._drain(prev, progress, wait=0.2)
             if self._dirty:
                 self._save_state(self.stage, prev)
@@ -425,10 +425,11 @@ class Controller:
                     **{"from": prev[0].to_dict()},
                 )
                 self.policy.observe_switch(seconds, warm=phases["standby_ready"])
-            if msg.get("launch") == self.launch:
-                self.standbys.maybe_start(self.launch + 1, self._relaunch_expected())
             self._show(progress, stage)
-            return self.policy.on_metric(msg)
+            switch_to = self.policy.on_metric(msg)
+            if msg.get("launch") == self.launch:
+                self.standbys.maybe_start(self.launch + 1, self._relaunch_expected(), int(msg["step"]))
+            return switch_to
         return None
 
     # -- endings and display -----------------------------------------------------------------

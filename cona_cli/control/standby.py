@@ -43,6 +43,7 @@ class Standby:
     pumps: list[threading.Thread] = field(default_factory=list)
     handed_over: bool = False
     ready_logged: bool = False
+    lost: bool = False  # died before its hand-over (logged once)
     prepared: Strategy | None = None  # the strategy its ranks were told to build while they wait
 
     def newly_ready(self, run: RunDir) -> bool:
@@ -105,10 +106,11 @@ class StandbyPool:
         )
         self.standby: Standby | None = None
 
-    def maybe_start(self, launch: int, relaunch_expected: Strategy | None) -> None:
+    def maybe_start(self, launch: int, relaunch_expected: Strategy | None, step: int) -> None:
         """Once launch `launch - 1` is stepping, pre-warm launch `launch` if a relaunch may come. With CPU
         ranks and a policy that resizes in place, only once the switch it expects next needs a new layout
-        (`relaunch_expected`): there a standby's start takes cores from the job."""
+        (`relaunch_expected`): there a standby's start takes cores from the job. `step`: the last step row
+        the policy was fed (the events that change its standby flags record it, so a run replays exactly)."""
         if self.standby is not None or not self.cfg.cluster.standby or not self.policy.may_relaunch():
             return
         if self.policy.in_place and not may_use_gpus(self.cfg.cluster) and relaunch_expected is None:
@@ -120,7 +122,7 @@ class StandbyPool:
         self.standby = Standby(launch, agents, pumps)
         self.state.standby_pids = [a.pid for a in agents]
         self.policy.standby_importing = True
-        self.events.write("standby", launch=launch)
+        self.events.write("standby", launch=launch, step=step)
 
     def maybe_prepare(self, strategy: Strategy | None) -> None:
         """Tell the standby which strategy to build while it waits (once; CPU ranks only act on it)."""
@@ -130,13 +132,19 @@ class StandbyPool:
         sb.prepare(self.files, strategy)
         self.events.write("standby_prepare", launch=sb.launch, strategy=strategy.to_dict())
 
-    def poll(self) -> None:
-        """Tell the policy whether the standby is still importing, and once when it is ready."""
+    def poll(self, step: int) -> None:
+        """Tell the policy whether the standby is still importing, once when it is ready, and once when it
+        died before its hand-over (`step`: the last step row the policy was fed)."""
         sb = self.standby
-        if sb is not None and sb.newly_ready(self.files):
-            self.events.write("standby_ready", launch=sb.launch)
-            self.policy.standby_ready = True
-        self.policy.standby_importing = sb is not None and not sb.ready_logged and sb.alive()
+        if sb is None or sb.lost:
+            return
+        if not sb.alive():
+            sb.lost = True
+            self.events.write("standby_lost", launch=sb.launch, step=step)
+            self.policy.standby_importing = self.policy.standby_ready = False
+        elif sb.newly_ready(self.files):
+            self.events.write("standby_ready", launch=sb.launch, step=step)
+            self.policy.standby_importing, self.policy.standby_ready = False, True
 
     def warm_for(self, launch: int) -> Standby | None:
         """The live standby that was started to become launch `launch`, if there is one."""

@@ -8,8 +8,9 @@ that differs, after which the recorded rows no longer follow from the replayed d
 
 What the controller told the policy is read from `events.jsonl`: in-place resizes (`resized` at the
 first step under the new batch), relaunches (`observe_switch` and `after_launch` at the first step of
-the next launch) and standbys (`standby_importing` from a standby's start to its `standby_ready`,
-`standby_ready` until the next switch), ordered against the step rows by their run time.
+the next launch) and standbys (`standby_importing` from a standby's start to its `standby_ready` or
+`standby_lost`, `standby_ready` until then or the next launch), each after the step row its event
+names: the last one the policy was fed when the flag changed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from cona_cli.simulate.world import DecisionLog
 from cona_cli.strategy import Strategy
 
 COMPARED = ("step", "switch", "candidate", "ratio", "ratio_low")  # what a decision is compared on
+# The policy's (standby_importing, standby_ready) after each standby event.
+STANDBY_FLAGS = {"standby": (True, False), "standby_ready": (False, True), "standby_lost": (False, False)}
 
 
 class NotReplayable(ValueError):
@@ -64,21 +67,22 @@ def replay(run_dir: Path) -> Replay:
     log = DecisionLog()
     policy.events = log
     switches = {int(e["step"]): e for e in events if e.get("kind") == "switch"}
-    standby = sorted(
-        (float(e["time"]), e["kind"]) for e in events if e.get("kind") in ("standby", "standby_ready", "switch")
-    )
+    flags = [e for e in events if e.get("kind") in STANDBY_FLAGS]
+    if any("step" not in e for e in flags):
+        raise NotReplayable(f"{run_dir}: its standby events name no step (recorded by an older cona)")
+    standby = sorted((int(e["step"]), i, STANDBY_FLAGS[e["kind"]]) for i, e in enumerate(flags))
     requested: Stage | None = None
     launch = None
     for row in read_jsonl(run.metrics, warnings):
-        while standby and standby[0][0] <= float(row["time"]):
-            _, kind = standby.pop(0)
-            policy.standby_importing = kind == "standby"
-            policy.standby_ready = kind == "standby_ready"
         if row.get("kind") == "eval":
             policy.on_eval(row)
             continue
         if row.get("kind") != "step":
             continue
+        while standby and standby[0][0] < int(row["step"]):
+            policy.standby_importing, policy.standby_ready = standby.pop(0)[2]
+        if launch is not None and row.get("launch") != launch:
+            policy.standby_importing = policy.standby_ready = False  # the controller's launch resets them
         switch = switches.get(int(row["step"]) - 1)
         if requested is not None and switch is not None and Strategy.from_mapping(row) == requested.strategy:
             if switch.get("in_place"):
