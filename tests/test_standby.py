@@ -102,7 +102,8 @@ def test_switch_hands_over_to_the_standby_or_falls_back_cold_and_continues_exact
     assert _events(cold_run, "switch")[0]["standby"] is False
     # the policy was told when the standby died, after a step row it names (a recorded run replays by it)
     assert [(e["launch"], e["step"] < FIRST) for e in _events(cold_run, "standby_lost")] == [(2, True)]
-    assert _events(warm_run, "standby_lost") == [] and all(e["step"] <= FIRST for e in _events(warm_run, "standby_ready"))
+    assert _events(warm_run, "standby_lost") == []
+    assert all(e["step"] <= FIRST for e in _events(warm_run, "standby_ready"))
     assert _events(cold_run, "switch")[0]["prepared"] is False
     warm_losses, cold_losses = _losses(warm_run), _losses(cold_run)
     assert sorted(warm_losses) == list(range(1, STEPS + 1))
