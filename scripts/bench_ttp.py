@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from cona_cli.config import load_config  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
+from cona_cli.report.crossing import crossing  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
 
 AGAIN = "-again"  # suffix of the identical reruns made by --again
@@ -113,20 +114,9 @@ def run_once(name: str, variant: dict, seed: int, out: Path, max_time: float) ->
     return run_dir
 
 
-def crossing(evals: list, log_ppl: float) -> float | None:
-    """When a validation curve first reaches log_ppl: linear in log-ppl between the evaluations that
-    bracket it (evaluations come every `eval_interval_s`; the first one at or below the target would
-    quantise every time to that interval)."""
-    hit = next((i for i, e in enumerate(evals) if math.log(e.val_ppl) <= log_ppl), None)
-    if hit is None or hit == 0:
-        return None if hit is None else evals[0].time
-    a, b = evals[hit - 1], evals[hit]
-    f = (math.log(a.val_ppl) - log_ppl) / (math.log(a.val_ppl) - math.log(b.val_ppl))
-    return a.time + f * (b.time - a.time)
-
-
-def curve(run_dir: Path) -> list:
-    return [e for e in read_run(run_dir).evals if math.isfinite(e.val_ppl)]
+def curve(run_dir: Path) -> list[tuple[float, float]]:
+    """A run's evaluations as (time, log-ppl)."""
+    return [(e.time, math.log(e.val_ppl)) for e in read_run(run_dir).evals if math.isfinite(e.val_ppl)]
 
 
 def times(run_dir: Path, targets: list[float]) -> list[float | None]:
@@ -147,8 +137,8 @@ def hindsight_chain(run_dirs: list[Path], targets: list[float], levels: int = 40
     schedule's position or the optimizer state), so it bounds what chaining these strategies could
     gain, up to the resolution of the evaluations."""
     curves = [c for c in map(curve, run_dirs) if c]
-    start = min(c[0].time for c in curves)
-    top = max(math.log(c[0].val_ppl) for c in curves)
+    start = min(c[0][0] for c in curves)
+    top = max(c[0][1] for c in curves)
     out: list[float | None] = []
     for target in targets:
         grid = [top + (math.log(target) - top) * k / levels for k in range(levels + 1)]

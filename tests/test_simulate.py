@@ -43,6 +43,13 @@ def test_curve_time_to_interpolates_between_steps() -> None:
     assert curve.time_to(2.0) is None
 
 
+def test_curve_time_evaluated_is_linear_in_loss_between_evaluations() -> None:
+    curve = Curve(evals=[(0.0, math.inf), (1.0, 6.0), (3.0, 4.0)])
+    assert curve.time_evaluated(6.5) == 1.0  # the first finite evaluation is below it already
+    assert curve.time_evaluated(5.5) == pytest.approx(1.5)
+    assert curve.time_evaluated(3.0) is None
+
+
 def _tiny_doc(gbs_max: int) -> dict:
     doc = {k: v for k, v in TINY.items() if k != "strategy"}
     doc["train"] = {**doc["train"], "max_steps": None, "max_time": 3600}  # the policy pays back within it

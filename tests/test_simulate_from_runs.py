@@ -110,6 +110,13 @@ def test_cona_simulate_from_runs(tmp_path: Path) -> None:
     t32 = next(v for k, v in times.items() if k.startswith("static-32"))[0]
     assert t8[-1] == pytest.approx(3 + 2425 / 8 * 0.1 + 1, rel=0.05)  # its own steps, start-up and evaluations
     assert t32[-1] < t8[-1]
+    assert any(k.startswith("static-32 (dp4-tp1-pp1-mbs8-gbs32)") for k in times)  # the rung's run, as it ran
+    evaluated = json.loads(result.stdout)["evaluated_times_s"]
+    assert not any(k.startswith("optimum") for k in evaluated)
+    e8 = next(v for k, v in evaluated.items() if k.startswith("static-8 (dp4-tp1-pp1-mbs2-gbs8)"))[0]
+    # as bench_ttp.py times a run: between the evaluations (every 20 s) that bracket the target, so later
+    # than the step-exact time on a curve that flattens, by less than one interval
+    assert t8[-1] < e8[-1] < t8[-1] + 21
     assert times["optimum sequence (free switches)"][0][-1] <= t32[-1] * 1.001
     refused = runner.invoke(app, [*args, "--from-run", str(runs[0]), "--true-kappa", "4"])
     assert refused.exit_code == 2 and "--from-run: the runs set the world" in refused.output

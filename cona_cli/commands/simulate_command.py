@@ -94,12 +94,12 @@ def simulate_command(
         raise fail("cona simulate", f"--targets: ppl {min(ppls):g} is below {what} (ppl {floor:.4g})")
     auto = fastest_strategy(cfg, hw)
     runs: dict[str, list[Any]] = {"cona": [], f"static-auto ({auto})": []}
-    runs |= {f"static-{g} ({sim.best_at(g)})": [] for g in sim.ladder}
+    runs |= {f"static-{g} ({sim.static_at(g)})": [] for g in sim.ladder}
     for seed in range(seeds):
         runs["cona"].append(sim.run(ConaPolicy(cfg, hw), stop, seed))
         runs[f"static-auto ({auto})"].append(sim.static(auto, stop, seed))
         for g in sim.ladder:
-            runs[f"static-{g} ({sim.best_at(g)})"].append(sim.static(sim.best_at(g), stop, seed))
+            runs[f"static-{g} ({sim.static_at(g)})"].append(sim.static(sim.static_at(g), stop, seed))
     optimum = sim.optimum(stop)
     costed = sim.optimum_with_costs(stop, cfg.search.in_place)
     runs["optimum sequence (free switches)"] = [optimum]
@@ -115,6 +115,12 @@ def simulate_command(
             "targets": ppls,
             "seeds": seeds,
             "times_s": table,
+            # as the runs' evaluations would time them (bench_ttp.py's measure; the optima have none)
+            "evaluated_times_s": {
+                name: [[c.time_evaluated(math.log(p)) for p in ppls] for c in curves]
+                for name, curves in runs.items()
+                if not name.startswith("optimum")
+            },
             "cona_switches": [[(t, str(a), str(b)) for t, a, b in c.switches] for c in runs["cona"]],
             "optimum_switches": [(t, str(a), str(b)) for t, a, b in optimum.switches],
             "costed_optimum_switches": [(t, str(a), str(b)) for t, a, b in costed.switches],

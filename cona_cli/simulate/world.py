@@ -37,6 +37,7 @@ from cona_cli.planner.costmodel import iteration_time
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.space import enumerate_space, gbs_ladder
 from cona_cli.planner.workload import Workload
+from cona_cli.report.crossing import crossing
 from cona_cli.strategy import Strategy, resizable
 
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights, Adam's first and second moments
@@ -80,6 +81,7 @@ class Curve:
     losses: list[float] = field(default_factory=lambda: [math.inf])  # the first: the loss at the start
     switches: list[tuple[float, Strategy, Strategy]] = field(default_factory=list)
     first: Strategy | None = None  # what it started with
+    evals: list[tuple[float, float]] = field(default_factory=list)  # (time, loss) of the workers' evaluations
 
     def time_to(self, loss: float) -> float | None:
         """When the loss first reached `loss` (linear between steps), None if it never did."""
@@ -91,6 +93,11 @@ class Curve:
                 share = (before - loss) / (before - self.losses[i])
                 return self.times[i - 1] + share * (self.times[i] - self.times[i - 1])
         return None
+
+    def time_evaluated(self, loss: float) -> float | None:
+        """When the loss reached `loss` as a real run's evaluations time it (`scripts/bench_ttp.py`:
+        linear in loss between the evaluations that bracket it), None if no evaluation saw it."""
+        return crossing([e for e in self.evals if math.isfinite(e[1])], loss)
 
 
 class DecisionLog:
@@ -128,6 +135,12 @@ class Simulation:
         """The fastest true strategy of a rung."""
         return min((s for s in self.space if s.gbs == gbs), key=self.true_time.__getitem__)
 
+    def static_at(self, gbs: int) -> Strategy:
+        """A static run's strategy at a rung: the fastest one the world's runs measured there (a world
+        made of static runs has them run as they ran), else the fastest true one."""
+        measured = [s for s in self.spec.measured if s.gbs == gbs and s in self.true_time]
+        return min(measured, key=self.true_time.__getitem__) if measured else self.best_at(gbs)
+
     def switch_cost(self, old: Strategy, new: Strategy, in_place: bool) -> float:
         if in_place and resizable(old, new):
             return self.true_time[new]
@@ -141,20 +154,27 @@ class Simulation:
         return self.true_time[strategy] * math.exp(rng.gauss(0.0, self.spec.noise))
 
     def run(self, policy: Policy, stop_loss: float, seed: int) -> Curve:
-        """Train under `policy` until the loss reaches `stop_loss`, the simulated time budget ends or a
-        stop rule of the config (max_time, max_steps, max_tokens) does, as the workers would."""
+        """Train under `policy` until the loss reaches `stop_loss` (and, where the workers evaluate, an
+        evaluation saw it), the simulated time budget ends or a stop rule of the config (max_time,
+        max_steps, max_tokens) does, as the workers would."""
         spec, dyn = self.spec, self.spec.dynamics
         rng = random.Random(seed)
         policy.events = DecisionLog()
         cur = policy.first().strategy
         curve = Curve(times=[spec.start_s], losses=[dyn.start_loss()], first=cur)
+        curve.evals.append((spec.start_s, dyn.start_loss()))
         t, step, consumed, launch, held = spec.start_s, 0, 0, 1, self.hold
         tr = self.cfg.train
         last_eval = t
         budget = min(spec.max_time, tr.max_time or math.inf)
         steps = tr.max_steps or math.inf
         samples = tr.max_tokens / self.cfg.model.seq_len if tr.max_tokens else math.inf
-        while t < budget and step < steps and consumed < samples and curve.losses[-1] > stop_loss:
+        evaluates = tr.eval_interval is not None or tr.eval_interval_s is not None
+
+        def reached() -> bool:  # the loss is at stop_loss and, where the workers evaluate, an evaluation saw it
+            return (curve.evals[-1][1] if evaluates else curve.losses[-1]) <= stop_loss
+
+        while t < budget and step < steps and consumed < samples and not reached():
             loss = curve.losses[-1]
             iter_s = self.step_time(cur, rng)
             t, step, consumed = t + iter_s, step + 1, consumed + cur.gbs
@@ -191,11 +211,13 @@ class Simulation:
         tr = self.cfg.train
         by_steps = tr.eval_interval is not None and (step + 1) % tr.eval_interval == 0
         by_time = tr.eval_interval_s is not None and t - last_eval >= tr.eval_interval_s
-        if not self.spec.eval_s or not (by_steps or by_time):
+        if not (by_steps or by_time):
             return t, last_eval
-        t += self.spec.eval_s
-        curve.times.append(t)
-        curve.losses.append(curve.losses[-1])
+        if self.spec.eval_s:
+            t += self.spec.eval_s
+            curve.times.append(t)
+            curve.losses.append(curve.losses[-1])
+        curve.evals.append((t, curve.losses[-1]))
         return t, t
 
     def static(self, strategy: Strategy, stop_loss: float, seed: int) -> Curve:
