@@ -65,6 +65,20 @@ def _tiny_sim(noise: float = 0.0) -> Simulation:
     return Simulation(cfg, WorldSpec(law, load_hardware("cpu-local"), noise=noise, max_time=3600.0))
 
 
+def test_a_launch_pays_its_measured_first_steps() -> None:
+    """A strategy whose runs' first steps took 0.7 s beyond steady ones: its static run starts that much
+    later, and a relaunch into it costs that instead of one step."""
+    plain = _tiny_sim()
+    s8, s16 = plain.best_at(8), plain.best_at(16)
+    spec = plain.spec
+    slow = Simulation(plain.cfg, WorldSpec(spec.dynamics, spec.truth, noise=0.0, warmup_s={s8: 0.7}, max_time=3600.0))
+    stop = slow.spec.dynamics.floor() + 3.0
+    assert slow.static(s8, stop, seed=0).times[1] == pytest.approx(plain.static(s8, stop, seed=0).times[1] + 0.7)
+    assert slow.switch_cost(s16, s8, in_place=False) == pytest.approx(
+        plain.switch_cost(s16, s8, False) - plain.true_time[s8] + 0.7
+    )
+
+
 def test_the_optimum_is_at_least_as_fast_as_every_rung_and_switches_up() -> None:
     sim = _tiny_sim()
     floor = sim.spec.dynamics.floor()

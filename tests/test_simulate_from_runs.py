@@ -25,10 +25,17 @@ CFG = config_from_dict(DOC, "tiny")
 
 
 def _write_run(
-    path: Path, gbs: int, evals: list[tuple[int, float]], iter_s: float, gns: float = 40.0, doc: dict = DOC
+    path: Path,
+    gbs: int,
+    evals: list[tuple[int, float]],
+    iter_s: float,
+    gns: float = 40.0,
+    doc: dict = DOC,
+    first_extra: float = 0.0,
 ) -> Path:
     """A static run folder: evaluations (samples, val loss), a step row every `gbs` samples with two-batch
-    estimates of noise scale `gns`, steps of `iter_s` seconds, 3 s before the first and 1 s per evaluation."""
+    estimates of noise scale `gns`, steps of `iter_s` seconds (the first `first_extra` longer), 3 s before
+    the first and 1 s per evaluation."""
     path.mkdir(parents=True)
     (path / "config.resolved.json").write_text(json.dumps(config_from_dict(doc, "tiny").to_raw()))
     rows, t = [], 3.0
@@ -40,8 +47,9 @@ def _write_run(
             t += 1.0 if step else 0.0
         if n == evals[-1][0]:
             break
-        t += iter_s
-        row = {"kind": "step", "step": step + 1, "time": t, "iter_s": iter_s, "launch": 1}
+        took = iter_s + (first_extra if step == 0 else 0.0)
+        t += took
+        row = {"kind": "step", "step": step + 1, "time": t, "iter_s": took, "launch": 1}
         row |= {"dp": 4, "tp": 1, "pp": 1, "mbs": gbs // 4, "gbs": gbs, "consumed_samples": n + gbs}
         rows.append(row | {"grad_sq_raw": 1.0, "trace_raw": gns})
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -58,6 +66,11 @@ def test_a_run_curve_interpolates_in_log_samples_and_extends_along_its_last_slop
         assert run.samples_to(run.loss_at(n)) == pytest.approx(n)
     assert run.start_s == pytest.approx(3.0) and run.eval_s == pytest.approx((1.0,))  # the last evaluation ends the run
     assert len(run.iter_s) == 400 - 2 and len(run.noise) == 400  # a launch's first two steps are not timed
+    assert run.warmup_s == 0.0
+    slow = read_static_run(
+        _write_run(tmp_path / "s", 8, [(0, 9.0), (800, 7.0), (3200, 6.0)], 0.1, first_extra=0.6), CFG
+    )
+    assert slow.warmup_s == pytest.approx(0.6)  # what its first steps took beyond two steady ones
 
 
 def test_the_world_follows_the_runs_and_interpolates_a_rung_between_them(tmp_path: Path) -> None:

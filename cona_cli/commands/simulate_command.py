@@ -77,13 +77,13 @@ def simulate_command(
         dynamics = _dynamics(cfg, from_run, true_kappa, gns_noise, lr_sensitivity)
     except ValueError as e:
         raise fail("cona simulate", str(e)) from None
-    measured, start_s, eval_s = {}, 0.0, 0.0
+    measured, warmups, start_s, eval_s = {}, {}, 0.0, 0.0
     if from_run:
-        measured, (start_s, eval_s) = dynamics.measured_times(), dynamics.overheads()
+        measured, warmups, (start_s, eval_s) = dynamics.measured_times(), dynamics.warmups(), dynamics.overheads()
         typer.echo(
             f"measured overheads: {start_s:.3g} s before the first step, {eval_s:.3g} s per evaluation", err=True
         )
-    spec = WorldSpec(dynamics, world_hw, noise, measured, start_s, eval_s, relaunch_s, storage_gbs, max_time)
+    spec = WorldSpec(dynamics, world_hw, noise, measured, warmups, start_s, eval_s, relaunch_s, storage_gbs, max_time)
     sim = Simulation(cfg, spec)
     if not sim.space:
         raise fail("cona simulate", f"no feasible strategy on {world_hw.name} for this config")

@@ -10,7 +10,8 @@ of the config did, not a law.
   larger batch that needs fewer samples, which no law of the critical batch gives, is then what it was.
 - **GNS**: each step's (|G|², tr Σ) is drawn from the runs' own step rows near the same loss (at the
   same rung when it was run, else the nearest one), so the policy sees the estimator's real noise.
-- **Step time**: a strategy the runs used is timed by a draw from its own measured steps.
+- **Step time**: a strategy the runs used is timed by a draw from its own measured steps, and a launch of
+  it pays what its runs' first (untimed) steps took beyond steady ones.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class StaticRun:
     iter_s: tuple[float, ...]  # its step times, a launch's first steps left out
     start_s: float  # run time before its first step began (process start, data, the first evaluation)
     eval_s: tuple[float, ...]  # the pause of each evaluation between two steps
+    warmup_s: float  # what its first untimed steps took beyond as many of its median steps
 
     def _slope(self) -> float:
         """Loss per e-fold of samples along the last segment (it has samples > 0 at both ends)."""
@@ -128,11 +130,13 @@ def read_static_run(path: Path, cfg: Config) -> StaticRun:
     first = steps[0]
     start_s = max(0.0, float(first["time"]) - float(first.get("iter_s") or 0.0))
     seen: dict[Any, int] = {}
-    times = []
+    times, warmup = [], []
     for r in steps:
         seen[r.get("launch")] = seen.get(r.get("launch"), 0) + 1
-        if seen[r.get("launch")] > WARMUP_STEPS and r.get("iter_s"):
-            times.append(float(r["iter_s"]))
+        if r.get("iter_s"):
+            (times if seen[r.get("launch")] > WARMUP_STEPS else warmup).append(float(r["iter_s"]))
+    warmup = warmup[:WARMUP_STEPS]  # the first launch's
+    warmup_s = max(0.0, sum(warmup) - len(warmup) * statistics.median(times)) if times else 0.0
     return StaticRun(
         path,
         Strategy.parse(strategies.pop()),
@@ -141,6 +145,7 @@ def read_static_run(path: Path, cfg: Config) -> StaticRun:
         tuple(times),
         start_s,
         tuple(pauses),
+        warmup_s,
     )
 
 
@@ -217,6 +222,14 @@ class RunDynamics:
         runs = [r for rs in self.by_gbs.values() for r in rs]
         pauses = [p for r in runs for p in r.eval_s]
         return statistics.median(r.start_s for r in runs), statistics.median(pauses) if pauses else 0.0
+
+    def warmups(self) -> dict[Strategy, float]:
+        """Per strategy run, the mean of what a launch's first untimed steps took beyond steady ones."""
+        out: dict[Strategy, list[float]] = {}
+        for rs in self.by_gbs.values():
+            for r in rs:
+                out.setdefault(r.strategy, []).append(r.warmup_s)
+        return {s: statistics.fmean(v) for s, v in out.items()}
 
     def measured_times(self) -> dict[Strategy, list[float]]:
         out: dict[Strategy, list[float]] = {}

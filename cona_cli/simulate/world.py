@@ -66,6 +66,8 @@ class WorldSpec:
     truth: HardwareProfile
     noise: float = 0.05
     measured: dict[Strategy, list[float]] = field(default_factory=dict)
+    # A launch's first steps beyond steady ones, per strategy measured (else a relaunch charges one step).
+    warmup_s: dict[Strategy, float] = field(default_factory=dict)
     start_s: float = 0.0  # run time before the first step
     eval_s: float = 0.0  # the pause of one evaluation (at the config's train.eval_interval[_s])
     relaunch_s: float = 20.0
@@ -144,7 +146,7 @@ class Simulation:
     def switch_cost(self, old: Strategy, new: Strategy, in_place: bool) -> float:
         if in_place and resizable(old, new):
             return self.true_time[new]
-        return self.spec.relaunch_s + self.checkpoint_s + self.true_time[new]
+        return self.spec.relaunch_s + self.checkpoint_s + self.spec.warmup_s.get(new, self.true_time[new])
 
     def step_time(self, strategy: Strategy, rng: random.Random) -> float:
         """One step's seconds: a draw from its measured steps, else the true time with lognormal noise."""
@@ -163,7 +165,7 @@ class Simulation:
         cur = policy.first().strategy
         curve = Curve(times=[spec.start_s], losses=[dyn.start_loss()], first=cur)
         curve.evals.append((spec.start_s, dyn.start_loss()))
-        t, step, consumed, launch, held = spec.start_s, 0, 0, 1, self.hold
+        t, step, consumed, launch, held = spec.start_s + spec.warmup_s.get(cur, 0.0), 0, 0, 1, self.hold
         tr = self.cfg.train
         last_eval = t
         budget = min(spec.max_time, tr.max_time or math.inf)
