@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 import math
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from cona_cli.report.crossing import crossing  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
 
 CONFIGS = [REPO / "configs" / "wikitext2-gpt-tiny.yaml", REPO / "configs" / "wikitext2-commheavy.yaml"]
@@ -56,11 +56,12 @@ def variant(doc: dict, seed: int, gbs: int, mult: float, tokens: int, b: int) ->
 
 def samples_to(run_dir: Path, target: float) -> float | None:
     """Samples at which the validation curve first reaches `target` (linear in log-ppl)."""
-    evals = [(e.consumed_samples, e.val_ppl) for e in read_run(run_dir).evals if e.consumed_samples is not None]
-    for (s0, p0), (s1, p1) in itertools.pairwise(evals):
-        if p1 <= target < p0:
-            return s0 + (math.log(p0) - math.log(target)) / (math.log(p0) - math.log(p1)) * (s1 - s0)
-    return None
+    evals = [
+        (e.consumed_samples, math.log(e.val_ppl))
+        for e in read_run(run_dir).evals
+        if e.consumed_samples is not None and math.isfinite(e.val_ppl)
+    ]
+    return crossing(evals, math.log(target))
 
 
 def main() -> None:

@@ -167,7 +167,7 @@ class Simulation:
         curve.evals.append((spec.start_s, dyn.start_loss()))
         t, step, consumed, launch, held = spec.start_s + spec.warmup_s.get(cur, 0.0), 0, 0, 1, self.hold
         tr = self.cfg.train
-        last_eval = t
+        last_eval = spec.start_s  # the evaluation at the start
         budget = min(spec.max_time, tr.max_time or math.inf)
         steps = tr.max_steps or math.inf
         samples = tr.max_tokens / self.cfg.model.seq_len if tr.max_tokens else math.inf
