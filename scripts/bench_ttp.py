@@ -20,9 +20,11 @@ runs (the paper's optimum sequence, with free switches): the ceiling of what cha
 
     python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3] [--first-seed N]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
-        [--relaunch] [--again static-16] [--tabulate]
+        [--relaunch] [--cona-set cona-NAME:search.key=value] [--again static-16] [--tabulate]
 
-`--relaunch` adds `cona-relaunch` with `search.in_place: false` (every switch relaunches); `--again NAME`
+`--relaunch` adds `cona-relaunch` with `search.in_place: false` (every switch relaunches); `--cona-set
+cona-NAME:SECTION.KEY=VALUE` adds a cona run with that override (an A/B of a policy setting, interleaved
+with the rest; repeat it for more keys or more runs); `--again NAME`
 runs NAME a second time in each seed as `NAME-again` (same config, interleaved) and prints their per-seed
 ratio: how far two identical runs of one seed land apart on this host, the floor under any per-seed
 comparison; `--tabulate` runs nothing and tabulates the run folders under --out (e.g. for other targets).
@@ -46,7 +48,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cona_cli.config import load_config  # noqa: E402
+from cona_cli.config import ConfigError, config_from_dict, load_config  # noqa: E402
+from cona_cli.overrides import parse_sets  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
 from cona_cli.report.crossing import crossing  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
@@ -80,6 +83,32 @@ def variants(doc: dict, ladder: list[int], gbs_static: int, relaunch: bool) -> d
         runs[f"static-auto{suffix}"] = static(gbs_static, recipe)
         runs.update({f"static-{g}{suffix}": static(g, recipe) for g in ladder if g != gbs_static})
     runs[RAMP] = {**doc, "policy": "ramp", "strategy": "auto", "search": {**search, "gbs_static": gbs_static}}
+    return runs
+
+
+def cona_variants(doc: dict, items: list[str]) -> dict[str, dict]:
+    """The extra cona runs of `--cona-set NAME:SECTION.KEY=VALUE` (one override per item; items naming the same
+    run add up), each checked as a config before anything runs."""
+    sets: dict[str, list[str]] = {}
+    for item in items:
+        name, colon, setting = item.partition(":")
+        if not colon or not name.startswith("cona-") or name in ("cona-relaunch",) or not setting:
+            raise SystemExit(f"--cona-set {item}: expected cona-NAME:section.key=value (NAME not 'relaunch')")
+        sets.setdefault(name, []).append(setting)
+    runs = {}
+    for name, settings in sets.items():
+        run = {k: dict(v) if isinstance(v, dict) else v for k, v in doc.items()} | {"policy": "cona"}
+        try:
+            for key, value in parse_sets(settings).items():
+                section, _, sub = key.partition(".")
+                if sub:
+                    run.setdefault(section, {})[sub] = value
+                else:
+                    run[section] = value
+            config_from_dict(run)
+        except ConfigError as e:
+            raise SystemExit(f"--cona-set {name}: {e}") from None
+        runs[name] = run
     return runs
 
 
@@ -248,6 +277,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "ttp")
     ap.add_argument("--only", default="", help="comma-separated subset of the runs")
     ap.add_argument("--relaunch", action="store_true", help="cona also with search.in_place: false")
+    ap.add_argument(
+        "--cona-set",
+        action="append",
+        default=[],
+        metavar="cona-NAME:SECTION.KEY=VALUE",
+        help="also run cona as cona-NAME with this config override (repeat: more keys, more runs)",
+    )
     ap.add_argument("--again", default="", help="comma-separated runs to run twice per seed (NAME-again)")
     ap.add_argument("--tabulate", action="store_true", help="run nothing: tabulate the run folders under --out")
     ap.add_argument("--reuse", action="store_true", help="keep run folders that finished; run only the others")
@@ -259,6 +295,7 @@ def main() -> None:
     runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], args.relaunch)
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
+    runs.update(cona_variants(doc, args.cona_set))
     for name in [n for n in args.again.split(",") if n]:
         if name not in runs:
             raise SystemExit(f"--again: no run named {name!r} (runs: {', '.join(runs)})")

@@ -179,6 +179,20 @@ def test_bench_ttp_ramps_to_the_best_static_batch_where_it_is_larger(monkeypatch
     assert ramp["search"]["gbs_static"] == 32  # the variant it came from is left as it was
 
 
+def test_bench_ttp_cona_set_adds_a_cona_run_with_its_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--cona-set cona-any:search.climb=any` (twice for two keys) is a policy-cona run with both overrides;
+    the shared document is left as it was; a bad name or value is refused in one line naming the run."""
+    bench = import_script(script("bench_ttp.py"), monkeypatch)
+    doc = bench.bench_doc(REPO / "configs" / "wikitext2-gpt-tiny.yaml", bench.DEFAULT_DATA, 60.0)
+    runs = bench.cona_variants(doc, ["cona-any:search.climb=any", "cona-any:search.confidence=0.95"])
+    assert list(runs) == ["cona-any"] and runs["cona-any"]["policy"] == "cona"
+    assert runs["cona-any"]["search"] == {**doc["search"], "climb": "any", "confidence": 0.95}
+    assert "climb" not in doc["search"] and "policy" not in doc
+    for bad, says in (("any:search.climb=any", "expected cona-NAME"), ("cona-x:search.climb=up", "search.climb")):
+        with pytest.raises(SystemExit, match=says):
+            bench.cona_variants(doc, [bad])
+
+
 def test_bench_ttp_runs_every_config_for_its_whole_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """tiny.yaml stops at max_steps 600 or target_ppl 20: a benchmark run drops both and keeps max_time."""
     bench = import_script(script("bench_ttp.py"), monkeypatch)
