@@ -314,9 +314,6 @@ class SearchConfig:
     # How far the critical batch may exceed κ·GNS: a smaller batch must still win at this multiple of the
     # GNS's upper bound (`control.switch_rule`). 1: the surrogate is trusted as measured.
     kappa_spread: float = _f(4.0, lambda v: None if v >= 1 else "must be >= 1")
-    # Which larger batches are taken at Φ ratio's point estimate (the rest need its lower bound): the next
-    # rung up only (next), or any higher rung (any)
-    climb: str = _f("next", _one_of("next", "any"))
 
 
 @dataclass(frozen=True)

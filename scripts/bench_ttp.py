@@ -20,7 +20,7 @@ runs (the paper's optimum sequence, with free switches): the ceiling of what cha
 
     python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3] [--first-seed N]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
-        [--relaunch] [--cona-set cona-NAME:search.key=value] [--again static-16] [--tabulate]
+        [--relaunch] [--cona-set cona-NAME:section.key=value] [--again static-16] [--tabulate]
 
 `--relaunch` adds `cona-relaunch` with `search.in_place: false` (every switch relaunches); `--cona-set
 cona-NAME:SECTION.KEY=VALUE` adds a cona run with that override (an A/B of a policy setting, interleaved

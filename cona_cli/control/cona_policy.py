@@ -291,23 +291,11 @@ class ConaPolicy(Policy):
         t_cur = time_estimate(self._dwell)
         left = self.time_left(row, t_cur.value)
         up = min((g for g in self.ladder if g > cur.gbs), default=None)  # the next rung up
-        at_point = (lambda g: g > cur.gbs) if self.s.climb == "any" else (lambda g: g == up)
         decisions: list[tuple[Decision, str, Strategy, Estimate]] = []
         for kind, s, t, probe in self.candidates(results):
             cost = self.switch_cost(s)
             d = decide(
-                cur.gbs,
-                t_cur,
-                s.gbs,
-                t,
-                gns,
-                cost,
-                left,
-                self.z,
-                self.s.kappa,
-                probe,
-                at_point(s.gbs),
-                self.s.kappa_spread,
+                cur.gbs, t_cur, s.gbs, t, gns, cost, left, self.z, self.s.kappa, probe, s.gbs == up, self.s.kappa_spread
             )
             decisions.append((d, kind, s, t))
         if not decisions:
