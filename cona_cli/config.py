@@ -560,19 +560,23 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError(f"{path}: invalid YAML{where}") from None
 
 
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> None:
+    """Set `overrides` (top-level keys or `section.key` values, as `overrides.parse_sets` gives) in `raw`."""
+    for key, value in (overrides or {}).items():
+        section, _, sub = key.partition(".")
+        if sub:
+            if raw.get(section) is None:
+                raw[section] = {}
+            raw[section][sub] = value
+        else:
+            raw[key] = value
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
     """Load and validate a YAML config; `overrides` replace top-level keys or `section.key` values."""
     raw = read_yaml(path)
     if isinstance(raw, dict):
-        for key, value in (overrides or {}).items():
-            section, _, sub = key.partition(".")
-            if sub:
-                raw.setdefault(section, {})
-                if raw[section] is None:
-                    raw[section] = {}
-                raw[section][sub] = value
-            else:
-                raw[key] = value
+        apply_overrides(raw, overrides)
     try:
         return config_from_dict(raw, str(path))
     except ConfigError as e:

@@ -48,7 +48,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cona_cli.config import ConfigError, config_from_dict, load_config  # noqa: E402
+from cona_cli.config import ConfigError, apply_overrides, config_from_dict, load_config  # noqa: E402
 from cona_cli.overrides import parse_sets  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
 from cona_cli.report.crossing import crossing  # noqa: E402
@@ -92,19 +92,14 @@ def cona_variants(doc: dict, items: list[str]) -> dict[str, dict]:
     sets: dict[str, list[str]] = {}
     for item in items:
         name, colon, setting = item.partition(":")
-        if not colon or not name.startswith("cona-") or name in ("cona-relaunch",) or not setting:
-            raise SystemExit(f"--cona-set {item}: expected cona-NAME:section.key=value (NAME not 'relaunch')")
+        if not colon or not name.startswith("cona-") or name == "cona-relaunch" or name.endswith(AGAIN) or not setting:
+            raise SystemExit(f"--cona-set {item}: expected cona-NAME:section.key=value (not cona-relaunch or *{AGAIN})")
         sets.setdefault(name, []).append(setting)
     runs = {}
     for name, settings in sets.items():
         run = {k: dict(v) if isinstance(v, dict) else v for k, v in doc.items()} | {"policy": "cona"}
         try:
-            for key, value in parse_sets(settings).items():
-                section, _, sub = key.partition(".")
-                if sub:
-                    run.setdefault(section, {})[sub] = value
-                else:
-                    run[section] = value
+            apply_overrides(run, parse_sets(settings))
             config_from_dict(run)
         except ConfigError as e:
             raise SystemExit(f"--cona-set {name}: {e}") from None

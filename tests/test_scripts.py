@@ -188,7 +188,8 @@ def test_bench_ttp_cona_set_adds_a_cona_run_with_its_overrides(monkeypatch: pyte
     assert list(runs) == ["cona-x"] and runs["cona-x"]["policy"] == "cona"
     assert runs["cona-x"]["search"] == {**doc["search"], "kappa_spread": 2, "confidence": 0.95}
     assert "kappa_spread" not in doc["search"] and "policy" not in doc
-    for bad, says in (("x:search.confidence=0.9", "expected cona-NAME"), ("cona-x:search.confidence=2", "confidence")):
+    bad_values = [("x:search.confidence=0.9", "expected cona-NAME"), ("cona-again:search.confidence=0.9", "-again")]
+    for bad, says in bad_values + [("cona-x:search.confidence=2", "confidence")]:
         with pytest.raises(SystemExit, match=says):
             bench.cona_variants(doc, [bad])
 
