@@ -34,6 +34,7 @@ comparison; `--tabulate` runs nothing and tabulates the run folders under --out 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import math
@@ -97,7 +98,7 @@ def cona_variants(doc: dict, items: list[str]) -> dict[str, dict]:
         sets.setdefault(name, []).append(setting)
     runs = {}
     for name, settings in sets.items():
-        run = {k: dict(v) if isinstance(v, dict) else v for k, v in doc.items()} | {"policy": "cona"}
+        run = copy.deepcopy(doc) | {"policy": "cona"}
         try:
             apply_overrides(run, parse_sets(settings))
             config_from_dict(run)
