@@ -311,9 +311,6 @@ class SearchConfig:
     decision_every: int = _f(5, _positive)  # steps between decisions
     min_steps: int = _f(10, _positive)  # timed steps of the running strategy before it is reconsidered (dwell)
     kappa: float = _f(1.0, _positive)  # Φ's multiplier on the GNS: 1 is the surrogate as derived; an override only
-    # How far the critical batch may exceed κ·GNS: a smaller batch must still win at this multiple of the
-    # GNS's upper bound (`control.switch_rule`). 1: the surrogate is trusted as measured.
-    kappa_spread: float = _f(4.0, lambda v: None if v >= 1 else "must be >= 1")
 
 
 @dataclass(frozen=True)

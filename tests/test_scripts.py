@@ -180,14 +180,14 @@ def test_bench_ttp_ramps_to_the_best_static_batch_where_it_is_larger(monkeypatch
 
 
 def test_bench_ttp_cona_set_adds_a_cona_run_with_its_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--cona-set cona-x:search.kappa_spread=2` (twice for two keys) is a policy-cona run with both overrides;
+    """`--cona-set cona-x:search.min_steps=20` (twice for two keys) is a policy-cona run with both overrides;
     the shared document is left as it was; a bad name or value is refused in one line naming the run."""
     bench = import_script(script("bench_ttp.py"), monkeypatch)
     doc = bench.bench_doc(REPO / "configs" / "wikitext2-gpt-tiny.yaml", bench.DEFAULT_DATA, 60.0)
-    runs = bench.cona_variants(doc, ["cona-x:search.kappa_spread=2", "cona-x:search.confidence=0.95"])
+    runs = bench.cona_variants(doc, ["cona-x:search.min_steps=20", "cona-x:search.confidence=0.95"])
     assert list(runs) == ["cona-x"] and runs["cona-x"]["policy"] == "cona"
-    assert runs["cona-x"]["search"] == {**doc["search"], "kappa_spread": 2, "confidence": 0.95}
-    assert "kappa_spread" not in doc["search"] and "policy" not in doc
+    assert runs["cona-x"]["search"] == {**doc["search"], "min_steps": 20, "confidence": 0.95}
+    assert "min_steps" not in doc["search"] and "policy" not in doc
     bad_values = [("x:search.confidence=0.9", "expected cona-NAME"), ("cona-again:search.confidence=0.9", "-again")]
     for bad, says in bad_values + [("cona-x:search.confidence=2", "confidence")]:
         with pytest.raises(SystemExit, match=says):

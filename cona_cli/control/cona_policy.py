@@ -10,8 +10,8 @@ of its own (the dwell), each candidate's Φ ratio to it is bounded from below at
 the step times' spread and the standard error of the GNS pooled over the running batch size's steps
 (`switch_rule.decide`), and a candidate is taken only if that bound pays back its switch within the time
 the run has left. For the next rung up the point estimate must pay back instead of the bound: the GNS's
-growth turns a near tie in its favour; a lower rung must win were the noise scale `search.kappa_spread`
-times its upper bound: the measured GNS under-states Adam's critical batch (`switch_rule`). Among those
+growth turns a near tie in its favour; a lower rung must win on samples per second alone, at any noise
+scale: the measured GNS under-states Adam's critical batch and misleads early (`switch_rule`). Among those
 that pass, the one with the most progress over that time wins. The candidates: a better layout at the
 running rung and the best predicted strategy of every higher rung (from the search), and the best
 measured strategy of every lower rung (a retreat). A strategy never run competes at the model's step
@@ -294,9 +294,7 @@ class ConaPolicy(Policy):
         decisions: list[tuple[Decision, str, Strategy, Estimate]] = []
         for kind, s, t, probe in self.candidates(results):
             cost = self.switch_cost(s)
-            d = decide(
-                cur.gbs, t_cur, s.gbs, t, gns, cost, left, self.z, self.s.kappa, probe, s.gbs == up, self.s.kappa_spread
-            )
+            d = decide(cur.gbs, t_cur, s.gbs, t, gns, cost, left, self.z, self.s.kappa, probe, s.gbs == up)
             decisions.append((d, kind, s, t))
         if not decisions:
             self._log(row, None, None, "no candidate yet (search running)", gns=gns, t_cur=t_cur)
