@@ -87,6 +87,17 @@ def variants(doc: dict, ladder: list[int], gbs_static: int, relaunch: bool) -> d
     return runs
 
 
+def only(runs: dict[str, dict], names: str) -> dict[str, dict]:
+    """The runs `--only` names (all of them for ""); a name that is not a run is refused."""
+    if not names:
+        return runs
+    wanted = names.split(",")
+    unknown = [n for n in wanted if n not in runs]
+    if unknown:
+        raise SystemExit(f"--only: no run named {', '.join(map(repr, unknown))} (runs: {', '.join(runs)})")
+    return {k: v for k, v in runs.items() if k in wanted}
+
+
 def cona_variants(doc: dict, items: list[str]) -> dict[str, dict]:
     """The extra cona runs of `--cona-set NAME:SECTION.KEY=VALUE` (one override per item; items naming the same
     run add up), each checked as a config before anything runs."""
@@ -289,8 +300,7 @@ def main() -> None:
     cfg = load_config(args.config)
     ladder = gbs_ladder(cfg)
     runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], args.relaunch)
-    if args.only:
-        runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
+    runs = only(runs, args.only)
     runs.update(cona_variants(doc, args.cona_set))
     for name in [n for n in args.again.split(",") if n]:
         if name not in runs:

@@ -194,6 +194,17 @@ def test_bench_ttp_cona_set_adds_a_cona_run_with_its_overrides(monkeypatch: pyte
             bench.cona_variants(doc, [bad])
 
 
+def test_bench_ttp_only_refuses_a_name_that_is_not_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--only` keeps the runs it names, in the benchmark's order; a misspelt name is refused, not dropped."""
+    bench = import_script(script("bench_ttp.py"), monkeypatch)
+    doc = bench.bench_doc(REPO / "configs" / "wikitext2-commheavy.yaml", bench.DEFAULT_DATA, 60.0)
+    runs = bench.variants(doc, [8, 16, 32, 64, 128], 32, relaunch=False)
+    assert list(bench.only(runs, "static-128-sqrt,cona")) == ["cona", "static-128-sqrt"]
+    assert bench.only(runs, "") is runs
+    with pytest.raises(SystemExit, match="--only: no run named 'static-128sqrt'"):
+        bench.only(runs, "cona,static-128sqrt")
+
+
 def test_bench_ttp_runs_every_config_for_its_whole_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """tiny.yaml stops at max_steps 600 or target_ppl 20: a benchmark run drops both and keeps max_time."""
     bench = import_script(script("bench_ttp.py"), monkeypatch)
