@@ -300,8 +300,8 @@ def main() -> None:
     cfg = load_config(args.config)
     ladder = gbs_ladder(cfg)
     runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], args.relaunch)
-    runs = only(runs, args.only)
-    runs.update(cona_variants(doc, args.cona_set))
+    conas = cona_variants(doc, args.cona_set)  # always run: --only may name them too
+    runs = only(runs | conas, args.only) | conas
     for name in [n for n in args.again.split(",") if n]:
         if name not in runs:
             raise SystemExit(f"--again: no run named {name!r} (runs: {', '.join(runs)})")
