@@ -272,7 +272,7 @@ class TrainConfig:
     max_restarts: int = _f(3, _non_negative)  # relaunches after failures within restart_window_s
     restart_window_s: float = _f(3600.0, _positive)  # the window max_restarts counts failures in
     gns: bool = _f(True)  # measure the gradient noise scale every step
-    gns_window: float = _f(1024.0, _positive)  # samples over which the GNS smoothing forgets
+    gns_window: float = _f(1024.0, _positive)  # samples of the trailing window the GNS is pooled over
     dp_impl: str = _f("ddp", _one_of("ddp", "fsdp"))  # data parallelism: DDP or FSDP (sharded)
     pp_schedule: str = _f("1f1b", _one_of("1f1b", "gpipe"))  # pipeline schedule
     tensorboard: bool = _f(False)  # step, eval and decision metrics as TensorBoard event files too

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from cona_cli.config import Config, config_from_json
-from cona_cli.gns import NoiseScale, two_batch_estimate
+from cona_cli.gns import NoiseWindow, two_batch_estimate
 from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, RunDir
 from cona_cli.strategy import Strategy, resizable
 from launch import checkpoint, testhooks
@@ -148,7 +148,7 @@ class Worker:
         self.unsharded_vote_step = 1  # FSDP's unsharded accumulation is voted on at this one (`train_step`)
         self.state = TrainerState()
         self.small = NoiseNorms(self.pm, self.opt, self.spec.vocab_params) if t.gns else None
-        self.noise = NoiseScale(window=t.gns_window)
+        self.noise = NoiseWindow(window=t.gns_window)
         self.gns_hold = math.ceil(1 / (1 - t.beta2))  # steps for Adam's second moment to describe a new batch
         self.state.gns_from_step = self.gns_hold  # held at the start, and after each change of batch
         self.ckpt_root = self.files.checkpoints
@@ -192,8 +192,9 @@ class Worker:
         saved_gbs = Strategy.from_mapping(saved["strategy"]).gbs if "strategy" in saved else self.strategy.gbs
         if saved_gbs != self.strategy.gbs:  # relaunched under another batch: Adam's v̂ describes the old one
             self.state.gns_from_step = self.state.step + self.gns_hold
-        if "gns" in self.state.extra:
-            self.noise = NoiseScale(**{**self.state.extra["gns"], "window": self.cfg.train.gns_window})
+        # A checkpoint from before the window (exponential averages, no "entries") starts an empty one.
+        entries = self.state.extra.get("gns", {}).get("entries", [])
+        self.noise = NoiseWindow(window=self.cfg.train.gns_window, entries=entries)
 
     def save(self, reason: str) -> Path:
         """Checkpoint the current state (collective); a state already saved is not saved again."""
@@ -425,10 +426,10 @@ class Worker:
         raw_g, raw_tr = two_batch_estimate(
             self.small.b_small, small_total / self.small.n_small, self.strategy.gbs, big_sq
         )
-        self.noise.update(self.strategy.gbs, raw_g, raw_tr)
+        self.noise.add(self.strategy.gbs, raw_g, raw_tr)
         fields = {"grad_sq_raw": raw_g, "trace_raw": raw_tr}
-        if self.noise.smoothed is not None:
-            fields["grad_sq"], fields["trace"] = self.noise.smoothed
+        if self.noise.means is not None:
+            fields["grad_sq"], fields["trace"] = self.noise.means
         fields["gns"] = self.noise.gns
         return fields
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cona_cli.gns import NoiseScale, two_batch_estimate
+from cona_cli.gns import NoiseWindow, two_batch_estimate
 from tests.support import REPO, TINY, torchrun
 
 
@@ -51,23 +51,27 @@ def test_accumulation_path_first_micro_batch_as_small_batch() -> None:
     assert abs(est_tr - 400.0) / 400.0 < 0.05
 
 
-def test_smoothing_is_bias_corrected_and_forgets_in_samples() -> None:
-    ns = NoiseScale(window=64)
-    ns.update(8, 2.0, 20.0)
-    assert ns.smoothed == pytest.approx((2.0, 20.0)) and ns.gns == pytest.approx(10.0)
-    for _ in range(200):
-        ns.update(8, 1.0, 50.0)
-    assert ns.gns == pytest.approx(50.0, rel=1e-6)
-    # A larger batch forgets faster per step: fewer steps to move the same distance.
-    fast, slow = NoiseScale(window=64), NoiseScale(window=64)
-    for ns_, gbs in ((fast, 32), (slow, 4)):
-        ns_.update(gbs, 1.0, 10.0)
-        for _ in range(4):
-            ns_.update(gbs, 1.0, 100.0)
-    assert fast.gns > slow.gns
-    restored = NoiseScale(**fast.state_dict())
-    assert restored.gns == fast.gns
-    assert NoiseScale().gns is None
+def test_window_pools_the_last_samples_and_forgets_a_spike() -> None:
+    ns = NoiseWindow(window=64)
+    assert ns.gns is None and ns.means is None
+    ns.add(8, 2.0, 20.0)
+    assert ns.means == pytest.approx((2.0, 20.0)) and ns.gns == pytest.approx(10.0)
+    # One loss spike: |G|² 10⁵ times its neighbours' pulls the pooled estimate to its own ratio ...
+    ns.add(8, 2e5, 4e4)
+    assert ns.gns == pytest.approx((20.0 + 4e4) / (2.0 + 2e5))
+    # ... until the window's 64 samples hold only later steps: then it reads theirs exactly.
+    for i in range(8):
+        ns.add(8, 1.0, 50.0)
+        assert (ns.gns == pytest.approx(50.0)) == (i >= 7)
+    assert len(ns.entries) == 8
+    # The window is in samples: a larger batch keeps fewer steps.
+    big = NoiseWindow(window=64)
+    for _ in range(5):
+        big.add(32, 1.0, 10.0)
+    assert len(big.entries) == 2
+    restored = NoiseWindow(64, ns.state_dict()["entries"])
+    assert restored.entries == ns.entries and restored.gns == ns.gns
+    assert ns.interval(0.99).value == pytest.approx(50.0)
 
 
 def test_estimator_rejects_degenerate_batches() -> None:

@@ -286,7 +286,7 @@ def test_state_round_trips_for_resume() -> None:
     again = _policy()
     again.load_state_dict(policy.state_dict())
     assert again.current.strategy == policy.current.strategy == S16
-    assert again.samples == policy.samples and list(again.noise) == list(policy.noise)
+    assert again.samples == policy.samples and list(again.noise.entries) == list(policy.noise.entries)
     assert again.gns() == policy.gns()
 
 
@@ -306,7 +306,7 @@ def test_the_noise_scale_pools_only_the_running_batch_sizes_estimates() -> None:
     assert policy.gns() is None
     for step in range(12, 16):
         policy._observe_noise(row(big, step, 40.0 + step % 2))
-    assert {gbs for gbs, _, _ in policy.noise} == {16} and 40.0 <= policy.gns().value <= 41.0
+    assert {gbs for gbs, _, _ in policy.noise.entries} == {16} and 40.0 <= policy.gns().value <= 41.0
 
 
 def test_one_process_runs_only_strategies_that_measure_the_noise_scale() -> None:

@@ -34,14 +34,13 @@ from __future__ import annotations
 import math
 import statistics
 import threading
-from collections import deque
 from statistics import NormalDist
 from typing import Any
 
 from cona_cli.config import Config
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.switch_rule import Decision, Estimate, decide
-from cona_cli.gns import NoiseInterval, measurable, pooled_noise_scale
+from cona_cli.gns import NoiseInterval, NoiseWindow, measurable
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.search import Candidate, SearchResult, search_gbs
@@ -108,7 +107,7 @@ class ConaPolicy(Policy):
         self.resize_costs: list[float] = []  # measured in-place resizes
         self.in_place = self.s.in_place
         # Raw two-batch estimates (gbs, |G|², tr Σ) of the running batch size's last `train.gns_window` samples.
-        self.noise: deque[tuple[int, float, float]] = deque()
+        self.noise = NoiseWindow(cfg.train.gns_window)
         self._lock = threading.Lock()
         self._results: dict[int, SearchResult] = {}
         self._searched_for: tuple[Strategy, float] | None = None
@@ -199,7 +198,7 @@ class ConaPolicy(Policy):
 
     def gns(self) -> NoiseInterval | None:
         """The GNS of the recent window with its bounds at `search.confidence` (None before enough estimates)."""
-        return pooled_noise_scale([g for _, g, _ in self.noise], [t for _, _, t in self.noise], self.s.confidence)
+        return self.noise.interval(self.s.confidence)
 
     def _observe_noise(self, row: dict[str, Any]) -> None:
         """Pool the row's two-batch estimate with those of the same batch size only. The reading depends on
@@ -207,14 +206,11 @@ class ConaPolicy(Policy):
         reads 27–40 (docs/switching.md), so estimates from before a change of batch would bias every
         comparison made after it."""
         gbs = int(row["gbs"])
-        if self.noise and self.noise[-1][0] != gbs:
+        if self.noise.entries and self.noise.entries[-1][0] != gbs:
             self.noise.clear()
         if row.get("grad_sq_raw") is None or row.get("trace_raw") is None:
             return  # the worker holds its estimator (start, resize) or has none under this layout
-        self.noise.append((gbs, float(row["grad_sq_raw"]), float(row["trace_raw"])))
-        window = self.cfg.train.gns_window
-        while sum(n for n, _, _ in self.noise) - self.noise[0][0] >= window:
-            self.noise.popleft()
+        self.noise.add(gbs, row["grad_sq_raw"], row["trace_raw"])
 
     def on_metric(self, row: dict[str, Any]) -> Stage | None:
         if row.get("launch") != self._launch:
@@ -355,7 +351,7 @@ class ConaPolicy(Policy):
             "switch_costs": self.switch_costs,
             "warm_switch_costs": self.warm_switch_costs,
             "resize_costs": self.resize_costs,
-            "noise": list(self.noise),
+            "noise": [list(e) for e in self.noise.entries],
             "out_of_memory": sorted(str(s) for s in self.out_of_memory),
         }
 
@@ -367,7 +363,7 @@ class ConaPolicy(Policy):
         self.switch_costs = list(state["switch_costs"])
         self.warm_switch_costs = list(state.get("warm_switch_costs", []))
         self.resize_costs = list(state.get("resize_costs", []))
-        self.noise = deque(tuple(n) for n in state.get("noise", []))
+        self.noise = NoiseWindow(self.cfg.train.gns_window, state.get("noise", []))
         self.out_of_memory = {Strategy.parse(s) for s in state.get("out_of_memory", [])}
         self.space = self.space.without(self.out_of_memory, "ran out of memory")
         self._searched_for = None
