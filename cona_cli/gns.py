@@ -44,7 +44,7 @@ class NoiseWindow:
     """The two-batch estimates of the most recent steps that cover `window` samples, pooled as a ratio of
     means. Each step counts only while it is in the window: a ratio of exponential averages instead keeps
     an outlier for many windows (one loss spike's |G|², 10⁵ times its neighbours', held a gpt-tiny run's
-    estimate at that step's own 0.19 for 300 steps while the steps after it read 7–30)."""
+    estimate near that step's own 0.19 for 150 steps while the steps after it read 7–30)."""
 
     def __init__(self, window: float = 1024.0, entries: Iterable[Iterable[float]] = ()) -> None:
         self.window = window
