@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import random
@@ -360,3 +361,28 @@ def test_the_controller_acts_on_the_first_stage_of_a_queued_batch() -> None:
     controller._handle = handle  # type: ignore[method-assign]
     assert controller._drain(None, None) == "first"  # type: ignore[arg-type]
     assert seen == [0, 1, 2, 3]
+
+
+def test_the_search_reruns_as_the_running_strategys_steps_double_or_its_median_moves() -> None:
+    """A search made on a strategy's first slow steps must not fix a higher rung's prediction for the rest
+    of the run: it reruns at twice the steps it saw (until the window is full), and when the median moves."""
+    policy = _policy()
+    searched: list[tuple[float, int]] = []
+    rng = random.Random(0)
+
+    def feed(steps: range, iter_s: float) -> None:
+        for step in steps:
+            row = {"kind": "step", "step": step, "launch": 1, "time": step * iter_s, **S8.to_dict()}
+            row |= {"iter_s": iter_s * (1 + 0.001 * rng.random()), "grad_sq_raw": 1.0, "trace_raw": 1.0}
+            policy.on_metric(row)
+            last = policy._searched_for
+            if last is not None and (not searched or searched[-1] != (last[1], last[2])):
+                searched.append((last[1], last[2]))
+
+    feed(range(1, 400), 0.1)
+    counts = [n for _, n in searched]
+    assert len(counts) >= 3 and all(b >= 2 * a for a, b in itertools.pairwise(counts))  # doubling, median unchanged
+    assert counts[-1] <= 100  # the window holds 100 steps: then only a moved median reruns it
+    feed(range(400, 500), 0.12)
+    assert searched[-1][0] > 0.11 and len(searched) == len(counts) + 1  # one rerun for a 20 % move
+    policy._join_search()
