@@ -2,11 +2,7 @@
 what the analytic form still misses with a Gaussian process over log2 (dp, tp, pp, mbs, gbs).
 
 `Calibrator.predict` returns mean and std seconds per step; strategies that were measured return
-their measured median (std: spread of the samples). A prediction is never surer than one measurement
-(`MEASUREMENT_NOISE`, what the fit assumes of a measured median): fitted to two or three strategies,
-the residual model extrapolates to the next batch size with a std of 1–2 %, where the strategies cona
-then switched to ran a median 6.2 % (|log error|) from their prediction (52 switches of the gpt-tiny and
-comm-heavy benchmarks; docs/switching.md). The state round-trips through a plain dict.
+their measured median (std: spread of the samples). The state round-trips through a plain dict.
 """
 
 from __future__ import annotations
@@ -126,7 +122,7 @@ class Calibrator:
         else:
             mu, sd = self._gp.predict(features(x), return_std=True)
             mean = mean * np.exp(mu)
-            std = mean * np.maximum(sd, MEASUREMENT_NOISE)
+            std = mean * sd
         for s, samples in self.measurements.items():
             hit = np.all(x == (s.dp, s.tp, s.pp, s.mbs, s.gbs), axis=1)
             mean = np.where(hit, np.median(samples), mean)
