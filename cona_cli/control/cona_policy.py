@@ -140,10 +140,8 @@ class ConaPolicy(Policy):
         """Search the running rung and every higher one in the background if none runs and the
         calibration data moved enough: the running strategy's steps have doubled since the last search
         (its median's error has shrunk by √2), or its median moved by `REMEASURE`. The first steps after
-        a move run slow: on wikitext2-gpt-tiny a search at gbs 16's first 20 steps (median 0.263 s, 7 %
-        above the 0.246 s it settled at) put gbs 32 at 0.489 s for the rest of the run where a later one
-        gives 0.444 s (it runs at 0.42 s), and that run (seed 1281) climbed at 184 s where seeds 1279 and 1280
-        did at 89 and 93 s (docs/switching.md)."""
+        a move run slow, and a search on them alone once fixed a higher rung's prediction 16 % high for a
+        whole run (docs/switching.md)."""
         cur = self.current.strategy
         median, steps = statistics.median(self._dwell), len(self._dwell)
         if self._thread is not None and self._thread.is_alive():
