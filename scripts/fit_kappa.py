@@ -7,10 +7,13 @@ then, per target perplexity, the tokens each run needed relative to the smallest
 Φ_κ predicts from the smallest batch's run (equal loss at equal efficiency clock), at κ = 1 and at
 the fitted κ: the check that Φ (κ = 1) predicts the token ratios of the recipe that ran. Then, pair by
 pair of neighbouring batches, the larger one's samples over the smaller one's against Φ's
-(b' + G)/(b + G) at the smaller run's GNS where it reached the target. `search.kappa` takes a fitted
+(b' + G)/(b + G) at the smaller run's GNS where it reached the target. Last, the rate a chain decision
+turns on: from each loss level on, how fast each of two neighbouring batches lowers the training loss
+(a running mean of 41 steps) by `--band` nats, the smaller's time over the larger's, against Φ's ratio
+of the two there, (b'/T')/(b/T) · (b + G)/(b' + G) at the smaller run's G. `search.kappa` takes a fitted
 value as an explicit override.
 
-    python scripts/fit_kappa.py RUN_DIR RUN_DIR RUN_DIR [--targets 600,400,300]
+    python scripts/fit_kappa.py RUN_DIR RUN_DIR RUN_DIR [--targets 600,400,300] [--band 0.1]
 """
 
 from __future__ import annotations
@@ -74,6 +77,38 @@ def neighbour_ratios(curves: list[Curve], loss: float) -> list[tuple[int, int, f
     return out
 
 
+def crossings(log: RunLog, levels: np.ndarray, width: int = 41) -> np.ndarray:
+    """Time at which the running mean of `width` steps' training loss first reaches each level (nan: never)."""
+    steps = [s for s in sorted(log.steps, key=lambda s: s.time) if s.loss is not None]
+    t, loss = np.array([s.time for s in steps]), np.array([s.loss for s in steps])
+    mean = np.convolve(loss, np.ones(width) / width, mode="valid")
+    t = t[width // 2 : width // 2 + len(mean)]
+    out = np.full(len(levels), np.nan)
+    for i, level in enumerate(levels):
+        below = np.flatnonzero(mean <= level)
+        if below.size:
+            out[i] = t[below[0]]
+    return out
+
+
+def local_rates(a: RunLog, b: RunLog, levels: np.ndarray) -> list[tuple[float, float, float, float]]:
+    """(level, measured rate of b over a, Φ's, a's G) per band between consecutive `levels`, `a` the smaller batch."""
+    ga, gb = a.steps[-1].strategy.gbs, b.steps[-1].strategy.gbs
+    ta_step, tb_step = (np.median([s.iter_s for s in log.steps if s.iter_s]) for log in (a, b))
+    speed = (gb / tb_step) / (ga / ta_step)
+    ta, tb = crossings(a, levels), crossings(b, levels)
+    out = []
+    for i in range(len(levels) - 1):
+        if np.isnan([ta[i], ta[i + 1], tb[i], tb[i + 1]]).any():
+            continue
+        near = [s.gns for s in a.steps if ta[i] <= s.time <= ta[i + 1] and s.gns is not None]
+        if near:
+            g = float(np.median(near))
+            rate = (ta[i + 1] - ta[i]) / (tb[i + 1] - tb[i])
+            out.append((float(levels[i]), rate, float(speed * (ga + g) / (gb + g)), g))
+    return out
+
+
 def _ratio(n: float | None, base: float | None) -> str:
     return f"{n / base:.3f}" if n is not None and base else "-"
 
@@ -82,8 +117,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--targets", default="600,400,300")
+    ap.add_argument("--band", type=float, default=0.1, help="nats of training loss per band of the local rates")
     args = ap.parse_args()
-    curves = sorted((curve(read_run(r)) for r in args.runs), key=lambda c: c.gbs[0])
+    logs = sorted((read_run(r) for r in args.runs), key=lambda g: g.steps[-1].strategy.gbs)
+    curves = [curve(log) for log in logs]
     fit = fit_kappa(curves)
     print(
         f"kappa {fit.kappa:.3g} (best fit {fit.best:.3g}, 95% interval {fit.low:.3g}–{fit.high:.3g}, "
@@ -104,6 +141,16 @@ def main() -> None:
     for t in (float(x) for x in args.targets.split(",")):
         pairs = neighbour_ratios(curves, math.log(t))
         print(f"ppl {t:g}: " + "; ".join(f"{b}/{a}: {m:.3f} | {p:.3f} ({g:.3g})" for a, b, m, p, g in pairs))
+    targets = [math.log(float(x)) for x in args.targets.split(",")]
+    levels = np.arange(max(targets), min(targets) - 1e-9, -args.band)
+    print(f"\nlocal rates at equal training loss, {args.band:g} nats per band: larger over smaller, measured | Φ (G)")
+    for a, b in itertools.pairwise(logs):
+        rates = local_rates(a, b, levels)
+        if rates:
+            pair = f"{b.steps[-1].strategy.gbs}/{a.steps[-1].strategy.gbs}"
+            cells = "; ".join(f"{lv:.2f}: {m:.2f} | {p:.2f} ({g:.3g})" for lv, m, p, g in rates)
+            over = np.median([m / p for _, m, p, _ in rates])
+            print(f"{pair}: {cells}; median measured/Φ {over:.2f}")
 
 
 if __name__ == "__main__":
