@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--targets", default="600,400,300")
     ap.add_argument("--band", type=float, default=0.1, help="nats of training loss per band of the local rates")
     args = ap.parse_args()
+    if not args.band > 0:
+        ap.error(f"--band must be a positive number of nats, got {args.band}")
     logs = sorted((read_run(r) for r in args.runs), key=lambda g: g.steps[-1].strategy.gbs)
     curves = [curve(log) for log in logs]
     fit = fit_kappa(curves)

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 from tests.support import REPO, TINY, write_config
@@ -219,6 +220,30 @@ def test_reality_check_takes_each_cell_from_most_world_seeds(monkeypatch: pytest
     seeds = [{"cona": [1.0, 1.2], "static-16": [0.9, None]}, {"cona": [1.1, None]}, {"cona": [1.3, 1.4]}]
     table = check.median_speedups(seeds)
     assert table["cona"] == pytest.approx([1.1, 1.3]) and table["static-16"] == [None, None]
+
+
+def test_fit_kappa_local_rates_compare_the_loss_rate_at_equal_loss_with_phis(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two fixed batches whose training loss falls linearly in time, gbs 32's at 1.0x gbs 16's rate, G 16:
+    Φ rates 32 at (32/0.16)/(16/0.1) · (16 + 16)/(32 + 16) = 0.833 of 16, so measured over Φ is 1.2."""
+    from cona_cli.report.runlog import RunLog, StepRow
+    from cona_cli.strategy import Strategy
+
+    fit = import_script(script("fit_kappa.py"), monkeypatch)
+
+    def run(gbs: int, mbs: int, iter_s: float, rate: float) -> RunLog:
+        s = Strategy(4, 1, 1, mbs, gbs)
+        n = int(60 / iter_s)
+        steps = tuple(StepRow(i, i * iter_s, s, iter_s, i * gbs, 7.0 - rate * i * iter_s, 1, 16.0) for i in range(n))
+        return RunLog(Path(f"static-{gbs}"), steps, (), (), 64, None, ())
+
+    levels = np.arange(6.8, 6.0, -0.1)
+    rates = fit.local_rates(run(16, 4, 0.1, 0.02), run(32, 8, 0.16, 0.02), levels)
+    assert len(rates) == len(levels) - 1
+    for _level, measured, phi, g in rates:
+        assert measured == pytest.approx(1.0, rel=0.05)  # crossings fall on step times
+        assert phi == pytest.approx(0.8333, rel=1e-3) and g == 16.0
+    out = run_script("fit_kappa.py", "runs/none", "--band", "0")
+    assert out.returncode == 2 and "--band must be a positive number of nats" in out.stderr
 
 
 @pytest.mark.e2e
