@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cona_cli.planner.kappa import Curve, efficiency_clock, fit_kappa, predicted_token_ratio  # noqa: E402
+from cona_cli.planner.surrogate import phi  # noqa: E402
 from cona_cli.report.runlog import RunLog, read_run  # noqa: E402
 
 
@@ -94,8 +95,7 @@ def crossings(log: RunLog, levels: np.ndarray, width: int = 41) -> np.ndarray:
 def local_rates(a: RunLog, b: RunLog, levels: np.ndarray) -> list[tuple[float, float, float, float]]:
     """(level, measured rate of b over a, Φ's, a's G) per band between consecutive `levels`, `a` the smaller batch."""
     ga, gb = a.steps[-1].strategy.gbs, b.steps[-1].strategy.gbs
-    ta_step, tb_step = (np.median([s.iter_s for s in log.steps if s.iter_s]) for log in (a, b))
-    speed = (gb / tb_step) / (ga / ta_step)
+    ta_step, tb_step = (float(np.median([s.iter_s for s in log.steps if s.iter_s])) for log in (a, b))
     ta, tb = crossings(a, levels), crossings(b, levels)
     out = []
     for i in range(len(levels) - 1):
@@ -105,7 +105,7 @@ def local_rates(a: RunLog, b: RunLog, levels: np.ndarray) -> list[tuple[float, f
         if near:
             g = float(np.median(near))
             rate = (ta[i + 1] - ta[i]) / (tb[i + 1] - tb[i])
-            out.append((float(levels[i]), rate, float(speed * (ga + g) / (gb + g)), g))
+            out.append((float(levels[i]), rate, phi(gb, tb_step, g) / phi(ga, ta_step, g), g))
     return out
 
 
