@@ -375,6 +375,24 @@ def test_gns_precond_batch_reads_both_arms_from_one_fork() -> None:
     assert arms == [("4", "2"), ("4", "4"), ("8", "2"), ("8", "4")], proc.stdout
 
 
+def test_gns_curvature_noise_scale_from_two_batches_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A = diag(2, 1), batches of 4 with gradients (1, 0) and (3, 2): mean (2, 1), deviations ±(1, 1), each
+    with vᵀAv 3; tr(AΣ) = 4/(2 − 1)·(3 + 3) = 24 and GᵀAG = 9 − 24/(2·4) = 6."""
+    curv = import_script(script("gns_curvature.py"), monkeypatch)
+    deviations = [(-1.0, -1.0), (1.0, 1.0)]
+    trace, signal = curv.curvature_noise_scale(lambda v: 2 * v[0] ** 2 + v[1] ** 2, (2.0, 1.0), deviations, 4)
+    assert (trace, signal) == pytest.approx((24.0, 6.0))
+
+
+def test_gns_curvature_prints_the_hessian_weighted_noise_scale_beside_the_two_batch_ones() -> None:
+    args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--gbs", "4", "--steps", "4", "--every", "2"]
+    proc = run_script("gns_curvature.py", *args, "--batches", "2", "--hessian-samples", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = r"^step (\d+) loss [\d.]+ .*\| B_P² \S+  B_P \S+  B_1 \S+  B_H \S+.*  B_H\(SGD\) "
+    rows = re.findall(row, proc.stdout, re.M)
+    assert rows == ["2", "4"], proc.stdout
+
+
 def test_paired_trials_prints_the_efficiency_ratio_of_each_trial_length_and_the_long_pair() -> None:
     args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--arms", "4,8", "--mbs", "2", "--at", "40"]
     proc = run_script(
