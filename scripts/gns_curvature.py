@@ -56,7 +56,7 @@ def main() -> None:
     if args.batches < 2 or min(args.gbs, args.every, args.steps, args.hessian_samples) < 1:
         ap.error("--batches must be >= 2; --gbs, --every, --steps and --hessian-samples >= 1")
 
-    from gns_vocab_share import one_process_run, preconditioned_estimate
+    from gns_vocab_share import adam_preconditioner, one_process_run, preconditioned_estimate
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch, model, opt, stream, spec, cfg = one_process_run(args.config, args.data)
@@ -71,15 +71,6 @@ def main() -> None:
         x, y = stream.samples(start, b)
         spec.loss(model(x), y).backward()
         return {k: params[k].grad.detach().double().clone() for k in names}
-
-    def preconditioner() -> dict:
-        (_, beta2), eps = opt.param_groups[0]["betas"], opt.param_groups[0]["eps"]
-        out = {}
-        for k in names:
-            state = opt.state[params[k]]
-            v = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))
-            out[k] = (1 / (v.sqrt() + eps)).double()
-        return out
 
     def hessian_form(start: int):
         """v ↦ vᵀ H v on the held-out samples at `start` (double backward; attention's math kernel has one)."""
@@ -102,10 +93,10 @@ def main() -> None:
         simple = {w: preconditioned_estimate(model, opt, grads, b, power, names) for w, power in weights}
         mean = {name: sum(g[name] for g in grads) / n for name in names}
         deviations = [{name: g[name] - mean[name] for name in names} for g in grads]
-        p = preconditioner()
+        p = {name: w.double() for name, w in adam_preconditioner(model, opt, names).items()}
         form = hessian_form(HESSIAN_AT + k * args.hessian_samples)
         cells = []
-        for label, quadratic in (("B_H", lambda v: form({k: v[k] * p[k] for k in names})), ("B_H(SGD)", form)):
+        for label, quadratic in (("B_H", lambda v: form({x: v[x] * p[x] for x in names})), ("B_H(SGD)", form)):
             trace, signal = curvature_noise_scale(quadratic, mean, deviations, b)
             cells.append(f"{label} {trace / signal:,.1f}" if signal > 0 else f"{label} inf (GᵀAG {signal:.3g})")
         return f"B_P² {simple['P2']:,.1f}  B_P {simple['P']:,.1f}  B_1 {simple['1']:,.1f}  " + "  ".join(cells)

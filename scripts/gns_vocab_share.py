@@ -46,17 +46,12 @@ def one_process_run(config: str, data: str | None) -> tuple:
     return torch, model, adamw(model, t.lr, (t.beta1, t.beta2), t.weight_decay), stream, spec, cfg
 
 
-def preconditioned_estimate(
-    model, opt, grads: list[dict], b: int, power: int, names: list[str], rescale: float = 1.0
-) -> float:
-    """B = tr(W Σ) / Gᵀ W G over `names` from independent batches of `b` samples' gradients, W = P^power
-    (P = 1/(√v̂ + ε) from `opt`'s second moment; power 0: the raw estimate). `rescale` ≠ 1: v̂ as it would
-    be at a batch 1/rescale times the one it was built at, its noise part v̂ − m̂² scaled by `rescale`
-    (m̂ the bias-corrected first moment, whose square is mostly the mean gradient's)."""
-    from cona_cli.gns import two_batch_estimate
-
+def adam_preconditioner(model, opt, names: list[str], rescale: float = 1.0) -> dict:
+    """P = 1/(√v̂ + ε) per parameter in `names`, from AdamW `opt`'s bias-corrected second moment. `rescale` ≠ 1:
+    v̂ as it would be at a batch 1/rescale times the one it was built at, its noise part v̂ − m̂² scaled by
+    `rescale` (m̂ the bias-corrected first moment, whose square is mostly the mean gradient's)."""
     (beta1, beta2), eps = opt.param_groups[0]["betas"], opt.param_groups[0]["eps"]
-    weight = {}
+    out = {}
     for k, p in model.named_parameters():
         if k in names:
             state = opt.state[p]
@@ -64,7 +59,18 @@ def preconditioned_estimate(
             if rescale != 1.0:
                 m2 = (state["exp_avg"] / (1 - beta1 ** float(state["step"]))) ** 2
                 v = m2 + (v - m2).clamp_(min=0) * rescale
-            weight[k] = (1 / (v.sqrt() + eps)) ** power
+            out[k] = 1 / (v.sqrt() + eps)
+    return out
+
+
+def preconditioned_estimate(
+    model, opt, grads: list[dict], b: int, power: int, names: list[str], rescale: float = 1.0
+) -> float:
+    """B = tr(W Σ) / Gᵀ W G over `names` from independent batches of `b` samples' gradients, W = P^power
+    (P from `adam_preconditioner`, with its `rescale`; power 0: the raw estimate)."""
+    from cona_cli.gns import two_batch_estimate
+
+    weight = {k: p**power for k, p in adam_preconditioner(model, opt, names, rescale).items()}
 
     def sq(g: dict) -> float:
         return sum(float((g[k].double() ** 2 * weight[k]).sum()) for k in names)
