@@ -26,6 +26,7 @@ import argparse
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +42,20 @@ def curvature_noise_scale(quadratic, mean: dict, deviations: list[dict], b: int)
     n = len(deviations)
     trace = b / (n - 1) * sum(quadratic(d) for d in deviations)
     return trace, quadratic(mean) - trace / (n * b)
+
+
+def hessian_form(loss, params: list) -> Callable[[list], float]:
+    """v ↦ vᵀ H v, H the Hessian of `loss` in `params` and v a list of tensors shaped like them (double
+    backward: one Hessian-vector product per call)."""
+    import torch
+
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+
+    def form(v: list) -> float:
+        hv = torch.autograd.grad(grads, params, [x.to(p.dtype) for x, p in zip(v, params)], retain_graph=True)
+        return sum(float((h.double() * x.double()).sum()) for h, x in zip(hv, v))
+
+    return form
 
 
 def main() -> None:
@@ -72,20 +87,14 @@ def main() -> None:
         spec.loss(model(x), y).backward()
         return {k: params[k].grad.detach().double().clone() for k in names}
 
-    def hessian_form(start: int):
-        """v ↦ vᵀ H v on the held-out samples at `start` (double backward; attention's math kernel has one)."""
+    def held_out_hessian(start: int) -> Callable[[dict], float]:
+        """v ↦ vᵀ H v over `names` on the held-out samples at `start` (attention's math kernel has a double
+        backward)."""
         x, y = stream.samples(start, args.hessian_samples)
         model.zero_grad(set_to_none=True)
         with sdpa_kernel(SDPBackend.MATH):
-            loss = spec.loss(model(x), y)
-            grads = torch.autograd.grad(loss, [params[k] for k in names], create_graph=True)
-
-        def form(v: dict) -> float:
-            tangents = [v[k].float() for k in names]
-            hv = torch.autograd.grad(grads, [params[k] for k in names], tangents, retain_graph=True)
-            return sum(float((h.double() * v[k]).sum()) for h, k in zip(hv, names))
-
-        return form
+            form = hessian_form(spec.loss(model(x), y), [params[k] for k in names])
+        return lambda v: form([v[k] for k in names])
 
     def read(k: int) -> str:
         grads = [gradient(HELD_OUT + (k * n + i) * b) for i in range(n)]
@@ -94,7 +103,7 @@ def main() -> None:
         mean = {name: sum(g[name] for g in grads) / n for name in names}
         deviations = [{name: g[name] - mean[name] for name in names} for g in grads]
         p = {name: w.double() for name, w in adam_preconditioner(model, opt, names).items()}
-        form = hessian_form(HESSIAN_AT + k * args.hessian_samples)
+        form = held_out_hessian(HESSIAN_AT + k * args.hessian_samples)
         cells = []
         for label, quadratic in (("B_H", lambda v: form({x: v[x] * p[x] for x in names})), ("B_H(SGD)", form)):
             trace, signal = curvature_noise_scale(quadratic, mean, deviations, b)

@@ -384,6 +384,18 @@ def test_gns_curvature_noise_scale_from_two_batches_by_hand(monkeypatch: pytest.
     assert (trace, signal) == pytest.approx((24.0, 6.0))
 
 
+def test_gns_curvature_hessian_form_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """L = a³ + ab + b²/2 at (a, b) = (1, 2): H = [[6a, 1], [1, 1]] = [[6, 1], [1, 1]], so v = (1, 2) gives
+    vᵀHv = 6 + 2·2 + 4 = 14, and v = (1, 0) gives 6."""
+    import torch
+
+    curv = import_script(script("gns_curvature.py"), monkeypatch)
+    a, b = torch.tensor(1.0, requires_grad=True), torch.tensor(2.0, requires_grad=True)
+    form = curv.hessian_form(a**3 + a * b + b**2 / 2, [a, b])
+    assert form([torch.tensor(1.0), torch.tensor(2.0)]) == pytest.approx(14.0)
+    assert form([torch.tensor(1.0), torch.tensor(0.0)]) == pytest.approx(6.0)
+
+
 def test_gns_curvature_prints_the_hessian_weighted_noise_scale_beside_the_two_batch_ones() -> None:
     args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--gbs", "4", "--steps", "4", "--every", "2"]
     proc = run_script("gns_curvature.py", *args, "--batches", "2", "--hessian-samples", "4")
