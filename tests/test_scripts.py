@@ -405,6 +405,36 @@ def test_gns_curvature_prints_the_hessian_weighted_noise_scale_beside_the_two_ba
     assert rows == ["2", "4"], proc.stdout
 
 
+def test_gns_lag_window_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients (1, 0), (0, 1), (1, 1), each step with tr 2 and |G|² 1: the lag-1 products 0 and 1 average
+    0.5 and the one lag-2 product is 1, so B_P² 2, B_lag(1) 4, B_lag(2) 2. The next window keeps the last two
+    gradients: (1, 0) then (−1, 0) give lag-1 products 1 and −1 (mean 0) and lag-2 products 0 and −1, so
+    both lagged scales read ∞."""
+    import torch
+
+    lag = import_script(script("gns_lag.py"), monkeypatch)
+    window = lag.LagWindow([1, 2])
+    for g in ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)):
+        window.add(2.0, 1.0, {"w": torch.tensor(g)})
+    assert window.scales() == pytest.approx({"B_P²": 2.0, "B_lag(1)": 4.0, "B_lag(2)": 2.0})
+    window.clear()
+    for g in ((1.0, 0.0), (-1.0, 0.0)):
+        window.add(2.0, 1.0, {"w": torch.tensor(g)})
+    assert window.scales() == {"B_P²": 2.0, "B_lag(1)": math.inf, "B_lag(2)": math.inf}
+
+
+def test_gns_lag_prints_the_lagged_noise_scales_beside_the_two_batch_one() -> None:
+    args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--gbs", "4", "--steps", "8", "--every", "4"]
+    proc = run_script("gns_lag.py", *args, "--lags", "1,2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = re.findall(
+        r"^steps (\d+)-(\d+) loss [\d.]+ .*\| B_P² \S+  B_lag\(1\) \S+  B_lag\(2\) \S+$", proc.stdout, re.M
+    )
+    assert rows == [("1", "4"), ("5", "8")], proc.stdout
+    refused = run_script("gns_lag.py", "--gbs", "3")
+    assert refused.returncode == 2 and "--gbs must be even" in refused.stderr
+
+
 def test_paired_trials_prints_the_efficiency_ratio_of_each_trial_length_and_the_long_pair() -> None:
     args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--arms", "4,8", "--mbs", "2", "--at", "40"]
     proc = run_script(
