@@ -397,12 +397,12 @@ def test_gns_curvature_hessian_form_by_hand(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_gns_curvature_prints_the_hessian_weighted_noise_scale_beside_the_two_batch_ones() -> None:
-    args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--gbs", "4", "--steps", "4", "--every", "2"]
-    proc = run_script("gns_curvature.py", *args, "--batches", "2", "--hessian-samples", "4")
+    args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--gbs", "4", "--steps", "2", "--every", "2"]
+    proc = run_script("gns_curvature.py", *args, "--batches", "2", "--hessian-samples", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = r"^step (\d+) loss [\d.]+ .*\| B_P² \S+  B_P \S+  B_1 \S+  B_H \S+.*  B_H\(SGD\) "
     rows = re.findall(row, proc.stdout, re.M)
-    assert rows == ["2", "4"], proc.stdout
+    assert rows == ["2"], proc.stdout
 
 
 def test_gns_lag_window_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -424,7 +424,7 @@ def test_gns_lag_window_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_gns_lag_prints_the_lagged_noise_scales_beside_the_two_batch_one() -> None:
-    args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--gbs", "4", "--steps", "8", "--every", "4"]
+    args = ["--config", str(REPO / "configs" / "tiny.yaml"), "--gbs", "2", "--steps", "8", "--every", "4"]
     proc = run_script("gns_lag.py", *args, "--lags", "1,2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = re.findall(
