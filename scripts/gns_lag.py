@@ -2,10 +2,11 @@
 
 The two-batch estimate B = tr(P Σ P) / |P G|² (P = 1/(√v̂ + ε), what the workers read) takes |G|² at the
 iterate. Near a minimum part of that gradient is the iterate's own fluctuation about its path, which
-reverses within a few steps and which no batch size turns into progress. The mean gradient that persists
-over k steps, Gₜ·Gₜ₋ₖ, is estimated without bias by the product of two training batches' gradients
-k steps apart (their samples are independent). This script prints, over each window of `--every` steps
-of a one-process AdamW run at `--gbs` (linear warmup, then the config's lr: no schedule):
+reverses within a few steps and which no batch size turns into progress. The product of two training
+batches' gradients k steps apart, gₜ·gₜ₋ₖ, has the mean E[Gₜ·gₜ₋ₖ]: the mean gradient now along the
+gradient step t − k took, its sampling noise included, so it also counts how the iterate has since
+answered that noise (a reversal counts against it). This script prints, over each window of `--every`
+steps of a one-process AdamW run at `--gbs` (linear warmup, then the config's lr: no schedule):
 
 - B_P² = mean tr(PΣP) / mean |PG|², the two-batch estimate of each step's two half-batches and whole;
 - B_lag(k) = mean tr(PΣP) / mean (P g)ₜ·(P g)ₜ₋ₖ for each k of `--lags`: the noise scale of the
