@@ -171,7 +171,7 @@ def runnable(command: str, tiny: Path, run: Path, tmp: Path) -> list[str] | None
     if args[0] == "report" or args[0] == "export":
         args[1] = str(run)  # a run folder the README's own `cona train` would have made
     if args[0] == "tune-lr":
-        args += ["--lrs", "1e-3,2e-3", "--tokens", "2048"]  # two trials of four steps: the sweep is tests/test_tune_lr.py's
+        args += ["--lrs", "1e-3,2e-3", "--tokens", "2048"]  # two trials of four steps (the sweep: test_tune_lr)
     if args[0] == "train":
         if "--resume" in args:
             return None
