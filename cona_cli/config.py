@@ -143,7 +143,7 @@ class ClusterConfig:
     procs_per_node: int = _f(1, _positive)  # ranks per node (GPUs per node under nccl)
     # torch.distributed backend; auto: nccl where ranks have GPUs, else gloo
     backend: str = _f("auto", _one_of("auto", "gloo", "nccl"))
-    threads_per_proc: int | None = _f(None, _positive)  # OMP threads per rank (default: the node's CPUs / its ranks)
+    threads_per_proc: int | None = _f(None, _positive)  # OMP threads per rank (default $OMP_NUM_THREADS, or CPUs/ranks)
     launcher: str = _f("local", _one_of(*LAUNCHERS))  # how nodes are started: local processes, ssh or srun
     head_addr: str | None = _f(None)  # this machine's address on the cluster network (telemetry binds it)
     rdzv_endpoint: str | None = _f(None)  # host[:port] of the c10d store; default head_addr, a free port

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from cona_cli.config import config_from_dict
 from tests.support import TINY
+
+# One intra-op thread per process, torch in the test processes and every rank they start (the controller keeps
+# a set OMP_NUM_THREADS): two pytest workers share the machine's cores, and OpenMP threads stall on a loaded
+# machine (a one-rank trial with two threads took 159 s for 2 s of steps beside another test's job, 21 s with one).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,7 @@ from cona_cli.cluster.launchers import NODE_THREADS, LocalLauncher, SlurmLaunche
 from cona_cli.cluster.nodes import Node, local_device_envs, resolve_nodes
 from cona_cli.config import ConfigError, config_from_dict
 from cona_cli.control.failures import REFUSED_EXIT, parse_failure
+from cona_cli.control.jobs import threads_per_proc
 from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT
 from cona_cli.strategy import Strategy
 from launch import checkpoint, device
@@ -405,6 +406,25 @@ def test_a_node_divides_its_own_cpus_among_its_ranks(monkeypatch: pytest.MonkeyP
     assert device.threads_per_rank() == cpus
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cpus))
     assert device.threads_per_rank() == 1
+
+
+def test_the_controller_keeps_a_users_omp_num_threads_as_torchrun_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cluster.threads_per_proc` first, then an OMP_NUM_THREADS the user set, then the CPUs this process
+    may run on shared by the ranks of the machine."""
+    cpus = len(os.sched_getaffinity(0))
+    one = {**TINY, "strategy": "dp1-tp1-pp1-mbs2-gbs4"}
+    cfg = config_from_dict({**one, "cluster": {"procs_per_node": 1}}, "tiny")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_proc(cfg) == 3
+    fixed = config_from_dict({**one, "cluster": {"procs_per_node": 1, "threads_per_proc": 5}}, "tiny")
+    assert threads_per_proc(fixed) == 5
+    for unset in ("", "0", "many"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert threads_per_proc(cfg) == cpus
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert threads_per_proc(cfg) == cpus
+    nodes = config_from_dict({**TINY, "strategy": "auto", "cluster": {"procs_per_node": 1, "nodes": 2 * cpus}}, "t")
+    assert threads_per_proc(nodes) == 1  # local nodes share this machine
 
 
 # -- 6. peak memory resets -----------------------------------------------------------------------------

@@ -69,10 +69,17 @@ def worker_args(run_dir: Path, stage: Stage, launch: int, resume: Path | None) -
 
 
 def threads_per_proc(cfg: Config) -> int:
-    """Intra-op threads per rank: the node's cores shared by its ranks (`local` nodes share one machine)."""
+    """Intra-op threads per rank: `cluster.threads_per_proc`; else OMP_NUM_THREADS where the user set it (as
+    torchrun keeps it); else the CPUs this process may run on shared by the node's ranks (`local` nodes
+    share one machine)."""
     c = cfg.cluster
+    if c.threads_per_proc:
+        return c.threads_per_proc
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
     procs_here = c.procs_per_node * (c.nodes if c.launcher == "local" else 1)
-    return c.threads_per_proc or max(1, (os.cpu_count() or 1) // procs_here)
+    return max(1, len(os.sched_getaffinity(0)) // procs_here)
 
 
 def allocator_env(cfg: Config) -> dict[str, str]:
