@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -473,12 +474,13 @@ def test_gpu_checks_exits_non_zero_when_a_row_fails() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
-    ok = run()
+    with ThreadPoolExecutor(2) as pool:  # each waits mostly on its ranks' start
+        ok_run, bad_run = pool.submit(run), pool.submit(run, "--fail-check", "-> dp1-tp2")
+        ok, bad = ok_run.result(), bad_run.result()
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
     rows = [line for line in ok.stdout.splitlines() if line.startswith("DCP reshard")]
     # through every layout of world 2 (its own save each) and back to the first
     assert len(rows) == 3 and all(line.endswith("yes") for line in rows), ok.stdout
-    bad = run("--fail-check", "-> dp1-tp2")
     assert bad.returncode != 0, bad.stdout[-2000:]
     rows = [line for line in bad.stdout.splitlines() if line.startswith("DCP reshard")]
     assert [line.endswith("NO") for line in rows] == [True, False, False] and "1 of 3 checks failed" in bad.stdout
