@@ -36,10 +36,10 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Two pytest workers, one test module each at a time (a module's fixtures run once): most end-to-end tests
-# wait on process start-up and polling, so two share 2 cores well (about 9 minutes instead of 14).
+# Two pytest workers, one test module each at a time (a module's fixtures run once), the longest modules
+# first (tests/conftest.py): most end-to-end tests wait on process start-up and polling, so two share 2 cores.
 test: setup sshd lint
-	$(BIN)/pytest -q -n 2 --dist loadscope
+	$(BIN)/pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 
 # Unit tests only (no torchrun jobs).
 test-fast: setup

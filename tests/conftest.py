@@ -17,6 +17,35 @@ from tests.support import TINY
 os.environ["OMP_NUM_THREADS"] = "1"
 
 
+# Modules by their time in the suite on a 2-core host (`pytest --durations`), heaviest first: `make test`
+# hands whole modules to two workers in collection order (--dist loadscope --no-loadscope-reorder), and
+# with the long ones first both workers end together instead of one finishing a long module alone.
+HEAVIEST_FIRST = [
+    "test_layouts",
+    "test_multinode",
+    "test_scripts",
+    "test_fault_tolerance",
+    "test_train_e2e",
+    "test_export",
+    "test_gns",
+    "test_data_formats",
+    "test_standby",
+    "test_checkpoint_policy",
+    "test_simulate",
+    "test_gpu_paths",
+    "test_precision",
+    "test_readme",
+    "test_data",
+    "test_tune_lr",
+    "test_requeue",
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    items[:] = sorted(items, key=lambda item: rank.get(Path(item.nodeid.split("::")[0]).stem, len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Corpora are cached per test session, never in the user's home."""
