@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,11 +87,16 @@ DATA_FORMATS = ("auto", "text", "jsonl", "bin", "npy", "megatron", "hf")  # laun
 MAX_VOCAB = 2**32 - 1  # token arrays are uint16 up to 65536 ids, uint32 above
 
 
+# A Hugging Face hub model name, `NAME` or `ORG/NAME` (its tokenizer is read from the local hub cache).
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
 def _tokenizer(v: Any) -> str | None:
-    """bpe, byte, or a path (to a tokenizer.json or a tokenizer folder; prepare_corpus checks it loads)."""
-    if v in ("bpe", "byte") or (v and ("/" in v or v.endswith(".json") or Path(v).expanduser().exists())):
+    """bpe, byte, a path (to a tokenizer.json or a tokenizer folder) or a hub name; whether it loads is
+    checked before launch (`cona_cli.control.preflight`)."""
+    if v and ("/" in v or v.endswith(".json") or HUB_NAME.fullmatch(v) or Path(v).expanduser().exists()):
         return None
-    return "must be one of bpe, byte, or a path to a tokenizer.json or a tokenizer folder"
+    return "must be one of bpe, byte, a path to a tokenizer.json or a tokenizer folder, or a Hugging Face hub name"
 
 
 @dataclass(frozen=True)
@@ -276,6 +282,14 @@ class TrainConfig:
     dp_impl: str = _f("ddp", _one_of("ddp", "fsdp"))  # data parallelism: DDP or FSDP (sharded)
     pp_schedule: str = _f("1f1b", _one_of("1f1b", "gpipe"))  # pipeline schedule
     tensorboard: bool = _f(False)  # step, eval and decision metrics as TensorBoard event files too
+    # Run time: wall (the host's) or virtual (real training; each step charged its time from clock_table,
+    # so runs do not depend on the host's load: `cona_cli.clock`)
+    clock: str = _f("wall", _one_of("wall", "virtual"))
+    # virtual: measured (this host's step times, calibrated once per strategy and cached), a hardware
+    # profile's name or YAML path (the planner's step times on that cluster), or {strategy or gbs: seconds}
+    clock_table: str | dict[str | int, float] | None = _f(None)
+    # virtual: log std of a step's time factor (default: the calibration's measured spread; 0 for a profile or mapping)
+    clock_noise: float | None = _f(None, _non_negative)
 
 
 @dataclass(frozen=True)
@@ -517,6 +531,10 @@ def cross_field_problem(cfg: Config) -> str | None:
         return "train.rampup_batch_size: must be [START, INCREMENT, SAMPLES] (Megatron's --rampup-batch-size)"
     if cfg.policy == "cona" and not t.gns:
         return "train.gns: policy cona decides on the gradient noise scale; it needs gns: true"
+    if t.clock == "wall" and (t.clock_table is not None or t.clock_noise is not None):
+        return f"train.clock_{'table' if t.clock_table is not None else 'noise'}: only with train.clock: virtual"
+    if isinstance(t.clock_table, dict) and (not t.clock_table or any(v <= 0 for v in t.clock_table.values())):
+        return "train.clock_table: a mapping of strategies or global batches to seconds > 0"
     if cfg.policy == "ramp" and t.rampup_batch_size is None:
         return "policy: ramp needs train.rampup_batch_size [START, INCREMENT, SAMPLES]"
     return None
@@ -558,15 +576,17 @@ def read_yaml(path: str | Path) -> Any:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> None:
-    """Set `overrides` (top-level keys or `section.key` values, as `overrides.parse_sets` gives) in `raw`."""
+    """Set `overrides` (dotted keys of any depth, as `overrides.parse_sets` gives) in `raw`, in order: each
+    part but the last walks into a mapping, made where the document has none (so the value's type is then
+    refused by validation, naming the key)."""
     for key, value in (overrides or {}).items():
-        section, _, sub = key.partition(".")
-        if sub:
-            if raw.get(section) is None:
-                raw[section] = {}
-            raw[section][sub] = value
-        else:
-            raw[key] = value
+        *path, last = key.split(".")
+        node = raw
+        for part in path:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[last] = value
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:

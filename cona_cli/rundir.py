@@ -62,6 +62,11 @@ class RunDir:
         return self.path / "controller_state.json"
 
     @property
+    def clock(self) -> Path:
+        """Under the virtual clock: its table and charges (`cona_cli.clock.ClockSpec`)."""
+        return self.path / "clock.json"
+
+    @property
     def controller_lock(self) -> Path:
         """flock held by the running controller."""
         return self.path / "controller.lock"

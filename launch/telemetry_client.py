@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 from typing import Any
 
@@ -47,10 +48,13 @@ class TelemetryClient:
         except OSError:
             self._sock = None
 
-    def poll(self) -> list[dict[str, Any]]:
-        """Commands received since the last poll (non-blocking)."""
+    def poll(self, timeout: float = 0.0) -> list[dict[str, Any]]:
+        """Commands received since the last poll, waiting up to `timeout` seconds for one if none is
+        there (0: not at all)."""
         if self._sock is None:
             return []
+        if timeout > 0 and b"\n" not in self._buf:
+            select.select([self._sock], [], [], timeout)
         try:
             while True:
                 chunk = self._sock.recv(65536)

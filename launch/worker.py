@@ -18,6 +18,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from cona_cli.clock import CALIBRATION_STEPS, ClockSpec, VirtualClock, WallClock
 from cona_cli.config import Config, config_from_json
 from cona_cli.gns import NoiseWindow, two_batch_estimate
 from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, RunDir
@@ -55,9 +57,11 @@ from launch.lr import learning_rate, progress_tokens
 from launch.models import get_spec
 from launch.models.spec import IGNORE_INDEX, Batch
 from launch.precision import resolve_precision
+from launch.snapshot import Snapshot
 from launch.telemetry_client import TelemetryClient
 
 _STOP_COMMAND, _STOP_TIME, _STOP_SWITCH = 1.0, 2.0, 3.0
+_CONTROL_SLOTS = 11  # the step's all-reduced scalars besides each rank's two memory slots (`train_step`)
 
 
 @dataclass
@@ -125,6 +129,7 @@ class Worker:
         self.files = RunDir(run_dir)
         self.rank = dist.get_rank()
         self.run_start = float(os.environ.get("CONA_RUN_START", time.time()))
+        self.clock = make_clock(cfg, self.files, self.run_start)
         corpus = CorpusInfo.from_json(self.files.corpus.read_text())
         m = cfg.model
         self.spec = get_spec(m.family)
@@ -155,13 +160,14 @@ class Worker:
         self.telemetry = TelemetryClient() if self.rank == 0 else None
         self.controlled = self.telemetry is not None and self.telemetry.expected
         self.stop_requested = False
+        self.awaiting_sync: int | None = None  # virtual clock: the step whose commands rank 0 must have
         self.switch_requested = False  # the controller's stop command is for a switch, not the run's end
         self.resize_requested: Strategy | None = None  # rank 0: the batch the controller asked for
         self.saved: tuple[int, Path] | None = None  # (step, path) of the checkpoint this state is in
         # Periodic checkpoints written in the background (DCP's async_save) on a gloo group of their own.
-        self.async_group = (
-            dist.new_group(backend="gloo") if checkpoint.async_saves(t.checkpoint_async, self.device) else None
-        )
+        # (Not under the virtual clock: when a background write is done is the host's business.)
+        background = checkpoint.async_saves(t.checkpoint_async, self.device) and not self.clock.virtual
+        self.async_group = dist.new_group(backend="gloo") if background else None
         self.pending: checkpoint.PendingSave | None = None  # a periodic checkpoint still being written
         self.last_save_time = self.now()
         self.last_save_s = 0.0  # how long the last save took: stretches the periodic interval
@@ -171,7 +177,7 @@ class Worker:
     # -- bookkeeping -------------------------------------------------------------------------
 
     def now(self) -> float:
-        return time.time() - self.run_start
+        return self.clock.now()
 
     def emit(self, row: dict[str, Any]) -> None:
         """Rank 0: append a metrics row and stream it to the controller."""
@@ -254,6 +260,7 @@ class Worker:
 
     def _saved(self, step: int, path: Path, seconds: float, nbytes: int, reason: str) -> None:
         """A checkpoint of step `step` is committed: `seconds` is how long training waited for it."""
+        seconds = self.clock.saved(seconds)
         self.saved, self.last_save_s = (step, path), seconds
         if reason != "periodic" or self.async_group is None:  # (async: the interval counts from its start)
             self.last_save_time = self.now()
@@ -417,7 +424,57 @@ class Worker:
         self.__dict__.pop("eval_set", None)
         self.memory_estimate = self.files.memory_estimates().get(str(strategy))
         reset_peak_memory(self.device)  # the new batch's own peak (CUDA; the CPU's peak RSS cannot go down)
+        self.ensure_timed()
+        self.clock.resized(strategy, self.state.step)
         testhooks.maybe_die(self.run_dir, "resize", self.state.step, self.rank)
+
+    def ensure_timed(self) -> None:
+        """Virtual clock with a measured table: a calibration pass of every rank whenever a strategy starts
+        (a launch, a resize); its times go into the table if rank 0's has none for the strategy, and
+        every rank takes rank 0's. The pass runs even when the table has the time, so that every run of a
+        config does the same work (DDP, for one, rebuilds its buckets after the first steps it sees, and
+        a run that skipped the pass would round its gradients differently)."""
+        clock = self.clock
+        if not isinstance(clock, VirtualClock) or clock.spec.source != "measured":
+            return
+        s, spec = self.strategy, clock.spec
+        logs = [math.log(t) for t in self._time_steps()]
+        mine = [0.0, 0.0]
+        if self.rank == 0:
+            if spec.seconds(s) is None:
+                seconds, spread = math.exp(statistics.median(logs)), statistics.stdev(logs)
+                print(f"cona-worker: clock: {s} measured {seconds:.4f} s/step (log std {spread:.3f})", flush=True)
+                spec.record(s, seconds, spread)
+                write_clock_spec(self.files, spec)
+            mine = [spec.seconds(s) or 0.0, spec.spreads.get(str(s), 0.0)]
+        seconds, spread = self._reduce(mine)
+        spec.table[str(s)], spec.spreads[str(s)] = seconds, spread
+
+    def _time_steps(self) -> list[float]:
+        """Seconds of `CALIBRATION_STEPS` training steps of the running strategy on the next batch (the
+        step's work and collectives), from and back to the state they started at."""
+        s, st, t = self.strategy, self.state, self.cfg.train
+        snap = Snapshot.take(self.pm.model, self.opt)
+        micro = self.batches.take(BatchKey(st.consumed_samples, s.gbs, s.dp, self.dp_rank, s.mbs))
+        warm, timed = CALIBRATION_STEPS
+        times = []
+        for i in range(warm + timed):
+            t0 = time.perf_counter()
+            self.opt.zero_grad(set_to_none=True)
+            if self.small is not None:
+                self.small.begin_step(measure=False)
+            self.pm.forward_backward(micro)
+            self.pm.average_grads()
+            sums = self._sum_over_ranks([local_grad_sq(self.pm)] + [0.0] * (_CONTROL_SLOTS - 1 + 2 * s.world))
+            if t.grad_clip:
+                scale_grads(self.pm, (t.grad_clip / (sums[0].sqrt() + 1e-6)).clamp(max=1.0))
+            self.opt.step()
+            sums.tolist()
+            if i >= warm:
+                times.append(time.perf_counter() - t0)
+        snap.restore(self.pm.model, self.opt)
+        self.opt.zero_grad(set_to_none=True)
+        return times
 
     def _update_noise(self, small_total: float, big_sq: float) -> dict[str, float]:
         """Feed one step's norms to the GNS estimator; returns the metric fields."""
@@ -461,6 +518,7 @@ class Worker:
 
     def run_eval(self) -> float:
         val_loss, val_ppl = self.evaluate()
+        self.clock.evaluated(self.strategy, self.cfg.train.eval_tokens, self.seq_len)
         st = self.state
         st.last_eval_time, st.last_eval_step = self.now(), st.step
         st.best_val_ppl = val_ppl if st.best_val_ppl is None else min(st.best_val_ppl, val_ppl)
@@ -500,7 +558,7 @@ class Worker:
         job after this step."""
         if not self.controlled:
             return
-        for msg in self.telemetry.poll():
+        for msg in self._commands():
             if msg.get("cmd") == "checkpoint_and_exit":
                 self.stop_requested = True
                 self.switch_requested = bool(msg.get("switch"))
@@ -512,6 +570,22 @@ class Worker:
                     print(f"cona-worker: ignoring resize {self.strategy} -> {target}: not the same layout", flush=True)
         if not self.telemetry.connected:
             self.stop_requested = True
+
+    def _commands(self) -> list[dict[str, Any]]:
+        """The controller's commands since the last poll. Under the virtual clock, all of them up to its
+        answer to the last step's rows (waited for), so a command lands at the same step in every run."""
+        assert self.telemetry is not None
+        msgs = self.telemetry.poll()
+        step, self.awaiting_sync = self.awaiting_sync, None
+        if step is None:
+            return msgs
+        deadline = time.monotonic() + self.cfg.cluster.collective_timeout_s
+        while not any(m.get("cmd") == "sync" and m.get("step") == step for m in msgs):
+            if not self.telemetry.connected or time.monotonic() > deadline:
+                print(f"cona-worker: no answer from the controller to step {step}; going on", flush=True)
+                break
+            msgs += self.telemetry.poll(timeout=1.0)
+        return msgs
 
     def checkpoint_due(self, out: StepOut) -> bool:
         interval = self.cfg.train.checkpoint_interval
@@ -538,6 +612,7 @@ class Worker:
                     "prepared": self.prepared,
                 }
             )
+        self.ensure_timed()
         if fresh and (t.eval_interval or t.eval_interval_s):
             self.run_eval()
         reason = self.stop_reason(st.best_val_ppl)  # a resumed run may already be done
@@ -547,8 +622,10 @@ class Worker:
                 break
             t0 = time.perf_counter()
             out = self.train_step(self.eval_due())  # returns after the device finished the step
-            iter_s = time.perf_counter() - t0
-            st.time, s = self.now(), out.strategy
+            wall_iter_s = time.perf_counter() - t0
+            s = out.strategy
+            iter_s = self.clock.step(s, st.step, wall_iter_s)
+            st.time = self.now()
             if not self.timeouts_shortened:  # communicators built, shapes inferred: steady-state timeout
                 groups = [self.mesh[d].get_group() for d in ("pp", "dp", "tp")]
                 shorten_timeouts(self.cfg.cluster.collective_timeout_s, groups)
@@ -568,6 +645,8 @@ class Worker:
                     "progress_tokens": round(st.progress_tokens, 1),
                     "grad_norm": out.grad_norm,
                     "launch": self.launch,
+                    "wall_time": round(time.time() - self.run_start, 4),
+                    "wall_iter_s": wall_iter_s,
                     "precision": self.precision,
                     "recompute": self.cfg.search.recompute,
                     **out.memory,
@@ -580,6 +659,10 @@ class Worker:
                 self.finish_pending()
             if reason is None and self.checkpoint_due(out):
                 self.save_periodic()
+            if self.clock.virtual and self.controlled:  # the next step waits for the answer to this one
+                assert self.telemetry is not None
+                self.telemetry.send({"type": "sync", "step": st.step})
+                self.awaiting_sync = st.step
         if self.ends_run(reason, stop_step) and st.last_eval_step != st.step:
             self.run_eval()  # the last checkpoint's validation perplexity is always in metrics.jsonl
         path = self.save({"stage_end": "switch", "command": "interrupt"}.get(reason, "final"))
@@ -588,9 +671,25 @@ class Worker:
             "step": st.step,
             "consumed_samples": st.consumed_samples,
             "time": st.time,
+            "clock_s": self.now(),  # run time once the last checkpoint is saved
             "checkpoint": str(path),
             "best_val_ppl": st.best_val_ppl,
         }
+
+
+def make_clock(cfg: Config, files: RunDir, run_start: float) -> WallClock:
+    """The run's clock: the host's, or the virtual clock of the run folder's table, starting where the
+    controller says this launch's first step begins (`CONA_CLOCK_START`)."""
+    if cfg.train.clock == "wall":
+        return WallClock(run_start)
+    spec = ClockSpec.from_json(files.clock.read_text())
+    return VirtualClock(spec, float(os.environ.get("CONA_CLOCK_START", spec.relaunch_s)))
+
+
+def write_clock_spec(files: RunDir, spec: ClockSpec) -> None:
+    tmp = files.clock.with_suffix(".tmp")
+    tmp.write_text(spec.to_json())
+    os.replace(tmp, files.clock)
 
 
 def main() -> None:

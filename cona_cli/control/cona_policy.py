@@ -174,6 +174,9 @@ class ConaPolicy(Policy):
     def first(self) -> Stage:
         return self.current
 
+    def strategies(self) -> list[Strategy]:
+        return list(self.space.feasible)
+
     def may_switch(self) -> bool:
         return len(self.ladder) > 1
 

@@ -22,12 +22,14 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cona_cli.clock import ClockSpec
 from cona_cli.cluster.launchers import Agent, make_launcher
 from cona_cli.cluster.nodes import ClusterError, head_address, is_multi_node, may_use_gpus, resolve_nodes
 from cona_cli.cluster.shared_storage import check_shared
 from cona_cli.cluster.slurm import requeue
 from cona_cli.config import Config
 from cona_cli.control import usable_checkpoints as checkpoints
+from cona_cli.control.clock_table import clock_spec, describe
 from cona_cli.control.failures import parse_failure
 from cona_cli.control.jobs import EventLog, JobStarter, record_memory_estimate, worker_args
 from cona_cli.control.policies import Policy, Stage
@@ -64,6 +66,7 @@ class Controller:
         self.resumed = resume is not None
         self.state = resume or RunState()
         self.run_start = time.time() - self.state.elapsed_s  # run time continues, the stopped gap excluded
+        self.clock = self._clock_spec()
         self.tensorboard = TensorBoardLog(self.files.tensorboard) if cfg.train.tensorboard else None
         self.events = EventLog(self.files.events, self.run_start, self.tensorboard.event if self.tensorboard else None)
         self.nodes = resolve_nodes(cfg.cluster)
@@ -102,6 +105,23 @@ class Controller:
         self._switch: dict[str, float | bool] = {}  # run times of the running switch's phases, standby flags
         self.stage: Stage | None = None  # what the running launch runs (an in-place resize changes it)
         self._resizing: Stage | None = None  # a resize sent to the running job, not yet seen in its steps
+        self._sync_step: int | None = None  # virtual clock: the step rank 0 waits for an answer to
+
+    def _clock_spec(self) -> ClockSpec | None:
+        """Under the virtual clock, its table (resolved once per run, kept in the run folder), printed."""
+        if self.cfg.train.clock == "wall":
+            return None
+        if self.resumed and self.files.clock.is_file():
+            spec = ClockSpec.from_json(self.files.clock.read_text())
+        else:
+            spec = clock_spec(self.cfg, self.files, self.policy.strategies())
+            self.files.clock.write_text(spec.to_json())
+        lines = describe(spec)
+        where = f" (cache {spec.cache})" if spec.cache else ""
+        self.console.print(f"cona: virtual clock, table {spec.source}{where}: {len(lines)} strategies timed")
+        for line in lines:
+            self.console.print(f"  {line}", markup=False, highlight=False)
+        return spec
 
     # -- public ------------------------------------------------------------------------------
 
@@ -138,7 +158,10 @@ class Controller:
             point = self.recovery.resume(stage_from_dict(self.state.stage), self.launch)
             ckpt, stage, launch_reason = point.checkpoint, point.stage, point.reason
         else:
-            self.events.write("start", config=self.cfg.source, policy=self.policy.name, world=self.cfg.cluster.world)
+            clock = {"clock": "virtual", "clock_table": self.clock.source} if self.clock else {"clock": "wall"}
+            self.events.write(
+                "start", config=self.cfg.source, policy=self.policy.name, world=self.cfg.cluster.world, **clock
+            )
             stage = self.policy.first()
         while stage is not None:
             if self.signal_received is not None:
@@ -209,7 +232,9 @@ class Controller:
             agents, pumps = self.standbys.hand_over(stage, resume).agents, standby.pumps
         else:
             self.standbys.drop()
-            agents, pumps = self.jobs.start(self.launch, worker_args(self.run_dir, stage, self.launch, resume))
+            agents, pumps = self.jobs.start(
+                self.launch, worker_args(self.run_dir, stage, self.launch, resume), self._clock_start(resume)
+            )
         self._switch.update(
             handover=time.time() - self.run_start, standby=warm, standby_ready=warm and standby.ready_logged
         )
@@ -224,6 +249,8 @@ class Controller:
             for pump in pumps:
                 pump.join(timeout=5)
         outcome = json.loads(outcome_path.read_text()) if outcome_path.is_file() else None
+        if outcome is not None:
+            self.state.clock_s = max(self.state.clock_s, float(outcome.get("clock_s", outcome["time"])))
         self._drain(prev, progress)
         self._save_state(self.stage, prev)
         if not failed:
@@ -234,6 +261,14 @@ class Controller:
         ]
         agent, path, failure = next((r for r in parsed if not r[2].knock_on), parsed[0])
         return LaunchResult(failure.exit_code, outcome, agent, failure, path), requested
+
+    def _clock_start(self, resume: Path | None) -> dict[str, str]:
+        """Under the virtual clock, where this launch's first step begins: after the run time reported so
+        far, the launch's start and, from a checkpoint, its load."""
+        if self.clock is None:
+            return {}
+        start = self.state.clock_s + self.clock.relaunch_s + (self.clock.checkpoint_s if resume else 0.0)
+        return {"CONA_CLOCK_START": repr(start)}
 
     def _log_path(self, agent: Agent, per_node: bool) -> Path:
         return self.files.launch_log(self.launch, agent.label if per_node else None)
@@ -327,6 +362,9 @@ class Controller:
                     for a in agents:  # no telemetry, or a node is gone: workers checkpoint on SIGTERM if they can
                         a.signal(signal.SIGTERM)
                 stop_sent_at = time.monotonic()
+            if self._sync_step is not None:  # after any command for that step, so it lands at the next
+                self.telemetry.send({"cmd": "sync", "step": self._sync_step})
+                self._sync_step = None
             grace = NODE_FAILURE_GRACE_S if failed else INTERRUPT_GRACE_S
             if stop_sent_at is not None and killed_at is None and time.monotonic() - stop_sent_at > grace:
                 for a in agents:
@@ -380,6 +418,9 @@ class Controller:
         except queue.Empty:
             return None
         while True:
+            if msg.get("type") == "sync":  # rank 0 waits: answer before reading on (`_follow`)
+                self._sync_step = int(msg["step"])
+                return switch_to
             stage = self._handle(msg, prev, progress)
             switch_to = switch_to or stage
             try:
@@ -399,6 +440,8 @@ class Controller:
             )
         if kind == "checkpoint" and msg.get("reason") == "switch":
             self._switch["save_s"] = float(msg["seconds"])
+        if kind == "metric" and "time" in msg:
+            self.state.clock_s = max(self.state.clock_s, float(msg["time"]))
         if kind == "checkpoint":
             self.events.write("checkpoint", **{k: msg.get(k) for k in ("step", "path", "seconds", "bytes", "reason")})
         elif kind == "metric" and msg.get("kind") == "eval":

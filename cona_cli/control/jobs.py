@@ -116,8 +116,11 @@ class JobStarter:
     verbose: bool
     multi_node: bool
 
-    def start(self, launch: int, tail: list[str]) -> tuple[list[Agent], list[threading.Thread]]:
-        """Start launch `launch` running `tail` on every rank; its agents and their output pumps."""
+    def start(
+        self, launch: int, tail: list[str], extra_env: dict[str, str] | None = None
+    ) -> tuple[list[Agent], list[threading.Thread]]:
+        """Start launch `launch` running `tail` on every rank (`extra_env` added to their environment);
+        its agents and their output pumps."""
         c = self.cfg.cluster
         rdzv = rendezvous(c, self.nodes, f"cona-{self.telemetry.token[:8]}-{launch}") if self.multi_node else None
         env = {
@@ -126,6 +129,7 @@ class JobStarter:
             "CONA_RUN_START": repr(self.run_start),
             "OMP_NUM_THREADS": str(threads_per_proc(self.cfg)),
             "PYTHONUNBUFFERED": "1",
+            **(extra_env or {}),
         }
         if c.launcher == "local":
             env["CONA_CONTROLLER_PID"] = str(os.getpid())  # a standby leaves when the controller is gone

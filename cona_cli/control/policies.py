@@ -47,6 +47,10 @@ class Policy:
     def first(self) -> Stage:
         raise NotImplementedError
 
+    def strategies(self) -> list[Strategy]:
+        """Every strategy this policy may run (what a virtual clock's table must time)."""
+        return [self.first().strategy]
+
     def on_metric(self, row: dict[str, Any]) -> Stage | None:
         """A step row arrived; return a stage to switch to now, or None to keep going."""
         return None
@@ -127,6 +131,9 @@ class ChainPolicy(Policy):
 
     def first(self) -> Stage:
         return self.stages[self.position]
+
+    def strategies(self) -> list[Strategy]:
+        return [s.strategy for s in self.stages]
 
     def may_switch(self) -> bool:
         return self.position < len(self.stages) - 1

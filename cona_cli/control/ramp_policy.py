@@ -58,6 +58,9 @@ class RampPolicy(Policy):
     def first(self) -> Stage:
         return self.current
 
+    def strategies(self) -> list[Strategy]:
+        return [self.at(gbs) for gbs in range(self.start, self.final.gbs + 1, self.increment)]
+
     def may_switch(self) -> bool:
         return self.current.strategy.gbs < self.final.gbs
 

@@ -50,6 +50,7 @@ class RunState:
     agent_pids: list[int] = field(default_factory=list)  # process groups of the last launch's node agents
     standby_pids: list[int] = field(default_factory=list)  # process groups of a pre-warmed standby's agents
     policy: dict[str, Any] = field(default_factory=dict)
+    clock_s: float = 0.0  # the latest run time the workers reported (the virtual clock's next launch starts there)
 
     def save(self, run_dir: Path) -> None:
         write_atomic(RunDir(run_dir).controller_state, json.dumps(asdict(self)))

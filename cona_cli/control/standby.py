@@ -113,6 +113,8 @@ class StandbyPool:
         the policy was fed (the events that change its standby flags record it, so a run replays exactly)."""
         if self.standby is not None or not self.cfg.cluster.standby or not self.policy.may_relaunch():
             return
+        if self.cfg.train.clock == "virtual":  # it charges a relaunch its modelled cost; a standby's readiness
+            return  # would make the charge depend on the host's speed
         if self.policy.in_place and not may_use_gpus(self.cfg.cluster) and relaunch_expected is None:
             return
         self.files.launches.mkdir(exist_ok=True)

@@ -1,0 +1,191 @@
+"""A run's clock: the host's (`train.clock: wall`) or a virtual one that charges each step a table's time.
+
+Under the virtual clock training is real (ranks, gradients, checkpoints, resizes, relaunches) but run time
+advances by what the table says a step of the running strategy takes, times a log-normal factor drawn
+from the run's seed and the step number (a third of its variance slow drift: two sinusoids of seeded
+phase), so two runs of one config and seed see the same times, whatever else the host runs.
+Everything else that takes time is charged on it too:
+- a launch's start, a relaunch included: `relaunch_s` (the config's `search.switch_cost_s`), plus the
+  checkpoint's load when it resumes one;
+- an evaluation: its tokens at a third of a training step's time per token (forward only);
+- a checkpoint save, and its load: `CHECKPOINT_BYTES_PER_PARAM` bytes per parameter at `STORAGE_GBS`;
+- an in-place resize: one step of the new strategy.
+
+The table (`train.clock_table`): `measured` (each strategy's median step time on this host, measured by a
+short calibration pass the first time it runs and cached per config and host, `measured_cache`), a
+hardware profile (the planner's cost model on that cluster), or a mapping {strategy or gbs: seconds}.
+The controller writes the resolved table to the run folder (`RunDir.clock`); the workers read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from cona_cli.strategy import Strategy
+
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and Adam's two moments
+STORAGE_GBS = 2.0  # checkpoint write and read bandwidth, GB/s
+FORWARD_SHARE = 1 / 3  # an evaluation token costs this share of a training token (no backward)
+DRIFT_SHARE = 0.36  # of the step factor's log variance: slow drift, the rest independent per step
+DRIFT_PERIODS = (173.0, 811.0)  # steps: the two sinusoids of the drift
+CALIBRATION_STEPS = (2, 8)  # a calibration pass: untimed steps, then timed ones
+
+
+@dataclass
+class ClockSpec:
+    """What a virtual clock charges (JSON in the run folder): `table` by strategy name, `by_gbs` by global
+    batch (a mapping given by gbs), `spreads` the measured log std of a step per strategy."""
+
+    source: str  # measured, a profile's name, or mapping
+    seed: int
+    noise: float | None  # log std of a step's factor (None: the measured spread, 0 where none was measured)
+    relaunch_s: float
+    checkpoint_s: float
+    table: dict[str, float] = field(default_factory=dict)
+    by_gbs: dict[int, float] = field(default_factory=dict)
+    spreads: dict[str, float] = field(default_factory=dict)
+    cache: str | None = None  # measured: the cache file of this config and host
+
+    def seconds(self, strategy: Strategy) -> float | None:
+        """A step's table time under `strategy` (None: not in the table)."""
+        return self.table.get(str(strategy), self.by_gbs.get(strategy.gbs))
+
+    def sigma(self, strategy: Strategy) -> float:
+        return self.noise if self.noise is not None else self.spreads.get(str(strategy), 0.0)
+
+    def record(self, strategy: Strategy, seconds: float, spread: float) -> None:
+        """A calibrated strategy: into the table, and into the host's cache."""
+        self.table[str(strategy)] = seconds
+        self.spreads[str(strategy)] = spread
+        if self.cache is not None:
+            path = Path(self.cache)
+            cached = read_cache(path)
+            cached[str(strategy)] = {"seconds": seconds, "spread": spread}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ClockSpec:
+        raw = json.loads(text)
+        raw["by_gbs"] = {int(k): float(v) for k, v in raw.get("by_gbs", {}).items()}
+        return cls(**raw)
+
+
+def read_cache(path: Path) -> dict[str, dict[str, float]]:
+    """A measured table's cache: {strategy: {seconds, spread}} ({} when absent or unreadable)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def measured_cache(model_cluster_train: dict[str, Any], cache_root: Path) -> Path:
+    """The cache file of a measured table: one per host and per what decides a step's time (the config's
+    model, data, cluster and engine settings, the threads per rank, torch's version)."""
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "none"
+    key = {
+        **model_cluster_train,
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "torch": torch_version,
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root / "clock" / f"{platform.node() or 'host'}-{digest}.json"
+
+
+def step_factor(seed: int, step: int, sigma: float) -> float:
+    """The noise of step `step`: exp(sigma · (independent normal and slow drift)), the same in every run of
+    one seed, its log std `sigma`."""
+    if sigma <= 0:
+        return 1.0
+    rng = random.Random(f"{seed}/{step}")
+    phases = random.Random(f"{seed}/drift")
+    drift = sum(math.sin(2 * math.pi * step / p + phases.uniform(0, 2 * math.pi)) for p in DRIFT_PERIODS)
+    drift /= math.sqrt(len(DRIFT_PERIODS) / 2)  # unit variance over a period
+    z = math.sqrt(1 - DRIFT_SHARE) * rng.gauss(0.0, 1.0) + math.sqrt(DRIFT_SHARE) * drift
+    return math.exp(sigma * z)
+
+
+class WallClock:
+    """The host's clock: run time since `run_start` (epoch seconds); nothing is charged."""
+
+    virtual = False
+
+    def __init__(self, run_start: float) -> None:
+        self.run_start = run_start
+
+    def now(self) -> float:
+        return time.time() - self.run_start
+
+    def step(self, strategy: Strategy, step: int, measured_s: float) -> float:
+        """A step ran: its seconds on this clock (here, as measured)."""
+        return measured_s
+
+    def evaluated(self, strategy: Strategy, tokens: int, seq_len: int) -> None:
+        """An evaluation of `tokens` ran."""
+
+    def saved(self, measured_s: float) -> float:
+        """A checkpoint was saved; its seconds on this clock."""
+        return measured_s
+
+    def resized(self, strategy: Strategy, step: int) -> None:
+        """The job resized in place to `strategy` after step `step`."""
+
+
+class VirtualClock(WallClock):
+    """Run time from a `ClockSpec`, starting at `start` (seconds: where this launch's first step begins)."""
+
+    virtual = True
+
+    def __init__(self, spec: ClockSpec, start: float) -> None:
+        super().__init__(time.time())
+        self.spec, self.t = spec, start
+
+    def now(self) -> float:
+        return self.t
+
+    def table_s(self, strategy: Strategy) -> float:
+        seconds = self.spec.seconds(strategy)
+        if seconds is None:
+            raise KeyError(f"train.clock_table: no step time for {strategy}")
+        return seconds
+
+    def step(self, strategy: Strategy, step: int, measured_s: float) -> float:
+        seconds = self.table_s(strategy) * step_factor(self.spec.seed, step, self.spec.sigma(strategy))
+        self.t += seconds
+        return seconds
+
+    def evaluated(self, strategy: Strategy, tokens: int, seq_len: int) -> None:
+        self.t += FORWARD_SHARE * self.table_s(strategy) * tokens / (strategy.gbs * seq_len)
+
+    def saved(self, measured_s: float) -> float:
+        self.t += self.spec.checkpoint_s
+        return self.spec.checkpoint_s
+
+    def resized(self, strategy: Strategy, step: int) -> None:
+        self.t += self.table_s(strategy)
+
+
+def checkpoint_seconds(params: int) -> float:
+    """A save's (or a load's) modelled seconds for a model of `params` parameters."""
+    return CHECKPOINT_BYTES_PER_PARAM * params / (STORAGE_GBS * 1e9)

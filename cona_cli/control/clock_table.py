@@ -1,0 +1,90 @@
+"""The virtual clock's table, resolved by the controller before the first launch (`cona_cli.clock`).
+
+`train.clock_table` names where a step's time comes from: `measured` (this host's cache, filled by the
+workers' calibration passes as strategies first run), a hardware profile (the planner's cost model,
+`planner.costmodel.iteration_time`, on that cluster) or a mapping by strategy or global batch. A profile
+or a mapping must time every strategy the policy may run; a missing one is refused before launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from cona_cli.clock import ClockSpec, checkpoint_seconds, measured_cache, read_cache
+from cona_cli.config import Config, ConfigError
+from cona_cli.planner.workload import Workload
+from cona_cli.rundir import RunDir
+from cona_cli.strategy import Strategy, StrategyError
+
+
+def _mapping(raw: dict[Any, float]) -> tuple[dict[str, float], dict[int, float]]:
+    """A table given by strategy (`dp2-tp1-pp1-mbs4-gbs16`) or by global batch (`16`)."""
+    table: dict[str, float] = {}
+    by_gbs: dict[int, float] = {}
+    for key, seconds in raw.items():
+        text = str(key).strip()
+        if text.isdigit():
+            by_gbs[int(text)] = float(seconds)
+            continue
+        try:
+            table[str(Strategy.parse(text))] = float(seconds)
+        except StrategyError as e:
+            raise ConfigError(f"train.clock_table: {key!r}: not a strategy or a global batch ({e})") from None
+    return table, by_gbs
+
+
+def _modelled(cfg: Config, profile: str, workload: Workload, strategies: list[Strategy]) -> dict[str, float]:
+    """The planner's step times of `strategies` on the cluster of hardware profile `profile`."""
+    from cona_cli.planner.costmodel import as_array, iteration_time
+    from cona_cli.planner.hardware import load_hardware
+
+    try:
+        hw = load_hardware(profile)
+    except ConfigError as e:
+        raise ConfigError(f"train.clock_table: {e}") from None
+    times = iteration_time(as_array(strategies), workload, hw) if strategies else []
+    return {str(s): float(t) for s, t in zip(strategies, times)}
+
+
+def clock_spec(cfg: Config, files: RunDir, strategies: list[Strategy]) -> ClockSpec:
+    """The resolved table and charges of a virtual-clock run that may run `strategies`."""
+    t = cfg.train
+    vocab = files.vocab_size() if files.corpus.is_file() else None
+    workload = Workload.from_config(cfg, vocab=vocab)
+    table = t.clock_table if t.clock_table is not None else "measured"
+    spec = ClockSpec(
+        source="mapping" if isinstance(table, dict) else table,
+        seed=t.seed,
+        noise=t.clock_noise,
+        relaunch_s=cfg.search.switch_cost_s,
+        checkpoint_s=checkpoint_seconds(workload.shape.total_params),
+    )
+    if isinstance(table, dict):
+        spec.table, spec.by_gbs = _mapping(table)
+    elif table == "measured":
+        from launch.data.corpus import cache_root  # torch-free: the data cache's root
+
+        key = {name: asdict(getattr(cfg, name)) for name in ("model", "data")}
+        key["cluster"] = cfg.cluster.to_raw()
+        key["engine"] = {k: getattr(t, k) for k in ("dp_impl", "pp_schedule", "grad_clip", "gns")}
+        key["search"] = {"precision": cfg.search.precision, "recompute": cfg.search.recompute}
+        path = measured_cache(key, cache_root())
+        spec.cache = str(path)
+        for name, entry in read_cache(path).items():
+            spec.table[name], spec.spreads[name] = float(entry["seconds"]), float(entry["spread"])
+        return spec
+    else:
+        spec.table = _modelled(cfg, table, workload, strategies)
+    missing = [s for s in strategies if spec.seconds(s) is None]
+    if missing:
+        raise ConfigError(f"train.clock_table: no step time for {missing[0]}, which this run may use")
+    return spec
+
+
+def describe(spec: ClockSpec) -> list[str]:
+    """One line per timed strategy: seconds per step and samples per second, by global batch."""
+    rows = sorted(((Strategy.parse(name), s) for name, s in spec.table.items()), key=lambda r: (r[0].gbs, r[1]))
+    lines = [f"{s}: {sec:.4f} s/step, {s.gbs / sec:.1f} samples/s" for s, sec in rows]
+    lines += [f"gbs {g}: {sec:.4f} s/step, {g / sec:.1f} samples/s" for g, sec in sorted(spec.by_gbs.items())]
+    return lines
