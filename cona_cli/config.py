@@ -109,7 +109,8 @@ class DataConfig:
     valid_path: str | None = _f(None)  # validation data (default: files named val*/valid* in path, else a split)
     valid_fraction: float = _f(0.05, lambda v: None if 0 < v < 1 else "must be in (0, 1)")  # of the documents
     valid_seed: int = _f(0, _non_negative)  # the draw of the validation documents
-    # bpe (trained on the corpus), byte, or PATH: a Hugging Face tokenizer.json or a local tokenizer folder
+    # bpe (trained on the corpus), byte, PATH (a Hugging Face tokenizer.json or a local tokenizer folder),
+    # or a hub name ORG/NAME (its tokenizer.json in the local Hugging Face cache, HF_HOME; never downloaded)
     tokenizer: str = _f("bpe", _tokenizer)
     # bpe: the trained vocabulary; pre-tokenized data without a tokenizer: the ids in use; and what
     # `cona search` plans with before a corpus is prepared. A PATH tokenizer sets the run's own.

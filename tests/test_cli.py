@@ -72,8 +72,9 @@ def test_set_values_are_yaml(tiny: Path) -> None:
         ("search.mbs=[1,0]", ("search.mbs: must be > 0",)),
         ("search.mbs=[1,2", ("--set search.mbs:", "not a YAML value")),
         ("optimizer.name=sgd", ("optimizer: unknown section",)),
-        ("trainlr3", ("--set trainlr3: expected section.key=value",)),
-        ("train.lr.peak=1", ("--set train.lr.peak=1: expected section.key=value",)),
+        ("trainlr3", ("--set trainlr3: expected key.path=value",)),
+        ("train.lr.peak=1", ("train.lr: must be a number", "{'peak': 1}")),
+        ("train..lr=1", ("--set train..lr=1: expected key.path=value",)),
     ],
 )
 @pytest.mark.parametrize("command", ["train", "search", "show"])
@@ -142,7 +143,7 @@ def test_train_dry_run_checks_the_data(tiny: Path, no_launch: None) -> None:
     folder = tiny.parent / "corpus"
     folder.mkdir()
     (folder / "train.txt").write_text("hello world\n\nanother document\n")
-    (folder / "valid.txt").write_text("a valid document\n")
+    (folder / "valid.txt").write_text("a valid document\n" * 80)  # one evaluation's 1025 tokens and more
     result = runner.invoke(app, ["train", str(tiny), "--dry-run", "--data", str(folder)])
     assert result.exit_code == 0, result.output
     assert f"data: text at {folder}: 1 train file(s), 1 valid file(s)" in result.stdout

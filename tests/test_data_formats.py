@@ -243,7 +243,7 @@ def test_bad_input_is_one_line_naming_the_field(tmp_path: Path) -> None:
     for raw, message in (
         ({"format": "parquet"}, "data.format: must be one of auto, text"),
         ({"dtype": "float32"}, "data.dtype: must be one of uint16"),
-        ({"tokenizer": "gpt2"}, "data.tokenizer: must be one of bpe, byte, or a path"),
+        ({"tokenizer": "my tokenizer"}, "data.tokenizer: must be one of bpe, byte, a path"),
         ({"vocab_size": 2**32}, "data.vocab_size: must be in"),
     ):
         with pytest.raises(ConfigError, match=message):

@@ -1,42 +1,13 @@
-"""`cona train --dry-run`: everything `cona train` checks before it launches, then the plan; nothing is
-launched and no run folder is written."""
+"""`cona train --dry-run`: the plan of a run that passed every check `cona train` runs before its first
+launch (`control.preflight`); nothing is launched and no run folder is written."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
-from cona_cli.config import Config, ConfigError
-from cona_cli.control.run_setup import make_policy
+from cona_cli.config import Config
+from cona_cli.control.preflight import Checked
 from cona_cli.planner.space import gbs_ladder
-
-
-def check_data(cfg: Config) -> str:
-    """The data's format and files, each opened and read (one byte; nothing is tokenized); ConfigError
-    (one line) when something is missing or unreadable."""
-    data = cfg.data
-    if data.tokenizer not in ("bpe", "byte") and not Path(data.tokenizer).expanduser().exists():
-        raise ConfigError(f"data.tokenizer: {data.tokenizer}: no such file or folder")
-    if data.path is None:
-        return f"synthetic corpus ({data.synthetic_tokens} tokens), tokenizer {data.tokenizer}"
-    from launch.data.sources import DataError, resolve  # numpy only
-
-    try:
-        src = resolve(data)
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-    for f in src.key_files or (src.root,):
-        try:
-            if f.is_file():
-                with f.open("rb") as fh:
-                    fh.read(1)
-            else:
-                next(iter(f.iterdir()), None)
-        except OSError as e:
-            raise ConfigError(f"data.path: {f}: cannot read ({e.strerror})") from None
-    valid = f"{len(src.valid)} valid file(s)" if src.valid else f"valid split {data.valid_fraction:g} of the documents"
-    return f"{src.format} at {data.path}: {len(src.train)} train file(s), {valid}, tokenizer {data.tokenizer}"
 
 
 def _backend(cfg: Config) -> str:
@@ -47,10 +18,10 @@ def _backend(cfg: Config) -> str:
     return f"auto (here: {'nccl' if may_use_gpus(cfg.cluster) else 'gloo'})"
 
 
-def dry_run_plan(cfg: Config) -> None:
-    """Validate data and feasibility (the policy's first strategy, the static-auto pick) and print the plan."""
-    data = check_data(cfg)
-    cfg, policy = make_policy(cfg)
+def dry_run_plan(checked: Checked) -> None:
+    """Print the plan of a run that passed `preflight`: its policy, first strategy, ladder, the static-auto
+    pick, world, backend, schedule and stop rules."""
+    cfg, policy = checked.cfg, checked.policy
     from cona_cli.control.cona_policy import fastest_strategy  # the planner: numpy, skopt
     from cona_cli.planner.hardware import load_hardware
 
@@ -66,7 +37,7 @@ def dry_run_plan(cfg: Config) -> None:
         schedule = f"constant LR ({t.schedule} without decay_tokens or max_tokens)"
     lines = [
         f"config: {cfg.source} (valid)",
-        f"data: {data}",
+        f"data: {checked.data}",
         f"policy: {cfg.policy}",
         f"first strategy: {policy.first().strategy}",
         f"gbs ladder: {', '.join(map(str, gbs_ladder(cfg)))}",

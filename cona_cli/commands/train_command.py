@@ -14,8 +14,9 @@ from cona_cli.commands.dry_run import dry_run_plan
 from cona_cli.commands.errors import fail
 from cona_cli.config import Config, ConfigError
 from cona_cli.control.controller import Controller
+from cona_cli.control.preflight import preflight
 from cona_cli.control.resume import prepare_resume
-from cona_cli.control.run_setup import default_run_dir, make_policy, prepare_run_dir, resolve_config
+from cona_cli.control.run_setup import default_run_dir, prepare_run_dir, resolve_config
 from cona_cli.control.runstate import lock
 from cona_cli.overrides import parse_sets
 
@@ -61,7 +62,8 @@ def train_command(
         if dry_run:
             if config is None or resume is not None or sbatch is not None:
                 raise ConfigError("--dry-run: give a CONFIG (and no --resume or --sbatch)")
-            dry_run_plan(resolve_config(config, strategy, chain, max_steps, data, given))
+            cfg = resolve_config(config, strategy, chain, max_steps, data, given)
+            dry_run_plan(preflight(cfg, run_dir or default_run_dir(config)))
             return
         if sbatch is not None:
             if config is None or resume is not None:
@@ -76,9 +78,10 @@ def train_command(
         elif config is None:
             raise ConfigError("CONFIG: missing (give a YAML config, or --resume RUN_DIR)")
         else:
-            cfg, policy = make_policy(resolve_config(config, strategy, chain, max_steps, data, given))
-            _warn_if_chaining_cannot_pay(cfg)
             run_dir = run_dir or default_run_dir(config)
+            checked = preflight(resolve_config(config, strategy, chain, max_steps, data, given), run_dir)
+            cfg, policy = checked.cfg, checked.policy
+            _warn_if_chaining_cannot_pay(cfg)
             prepare_run_dir(run_dir, config, cfg)
             lock(run_dir)
         controller = Controller(cfg, run_dir, policy, console=err, verbose=verbose, resume=state)

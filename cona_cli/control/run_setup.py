@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 from cona_cli.config import Config, ConfigError, config_from_dict, load_config, parse_chain, read_yaml
 from cona_cli.control.policies import ChainPolicy, Policy, StaticPolicy
 from cona_cli.control.ramp_policy import RampPolicy
+from cona_cli.overrides import overlaps
 from cona_cli.planner.space import gbs_ladder
 from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy, StrategyError
@@ -49,8 +51,9 @@ def resolve_config(
             raise ConfigError("--max-steps: must be >= 1")
         overrides["train.max_steps"] = max_steps
     for key in sets or {}:
-        if key in overrides:
-            raise ConfigError(f"--set {key}: also given by a flag ({_FLAG_OF.get(key, '--strategy or --chain')})")
+        flag = next((k for k in overrides if overlaps(k, key)), None)
+        if flag is not None:
+            raise ConfigError(f"--set {key}: also given by a flag ({_FLAG_OF.get(flag, '--strategy or --chain')})")
     cfg = complete_schedule(load_config(config, {**overrides, **(sets or {})}))
     explicit = "train.schedule" in (sets or {}) or "schedule" in (_section(read_yaml(config), "train"))
     t = cfg.train
@@ -116,13 +119,50 @@ def make_policy(cfg: Config) -> tuple[Config, Policy]:
     return config_from_dict(cfg.to_raw(), cfg.source), policy
 
 
-def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
-    """Copy the config, write the resolved one and prepare the corpus (may take minutes: BPE training)."""
-    run = RunDir(run_dir)
-    if run.holds_run():
+def check_run_dir(run_dir: Path) -> None:
+    """A run folder a new run can use: none holds a run there, and this process can make it (the nearest
+    existing folder on its path is writable). ConfigError (one line) otherwise."""
+    if RunDir(run_dir).holds_run():
         raise ConfigError(f"--run-dir: {run_dir} already holds a run; choose a new folder or --resume it")
+    path = run_dir.absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--run-dir: {run_dir}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--run-dir: {run_dir}: cannot write in {existing}")
+
+
+def eval_tokens_needed(cfg: Config) -> int:
+    """The validation tokens one evaluation reads: its first max(1, eval_tokens // seq_len) windows of
+    seq_len + 1 (`launch.data.sampling.eval_batches`)."""
+    seq_len = cfg.model.seq_len
+    return max(1, cfg.train.eval_tokens // seq_len) * seq_len + 1
+
+
+def check_eval_tokens(cfg: Config, n_valid: int, at_most: bool = False) -> None:
+    """ConfigError when the validation split's `n_valid` tokens (`at_most`: an upper bound of them) are
+    fewer than one evaluation reads."""
+    need = eval_tokens_needed(cfg)
+    if n_valid < need:
+        data, more = (
+            (f"data.path {cfg.data.path}", "data.valid_path, data.valid_fraction")
+            if cfg.data.path
+            else ("the synthetic corpus", "data.synthetic_tokens")
+        )
+        raise ConfigError(
+            f"train.eval_tokens: one evaluation reads {need} validation tokens but {data} has "
+            f"{'at most ' if at_most else ''}{n_valid}; lower train.eval_tokens or give more validation data ({more})"
+        )
+
+
+def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
+    """Copy the config, write the resolved one and prepare the corpus (may take minutes: BPE training), which
+    must hold one evaluation's validation tokens."""
+    check_run_dir(run_dir)
+    run = RunDir(run_dir)
     from launch.data.corpus import prepare_corpus  # tokenizers: only once the config is valid
     from launch.data.sources import DataError
+    from launch.data.tokenize import tokenizer_location
     from launch.models import SPECIAL_TOKENS
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -132,9 +172,12 @@ def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
     if cfg.cluster.launcher != "local" and data.cache_dir is None:  # the nodes read tokens from shared storage
         data = dataclasses.replace(data, cache_dir=str(run.data.absolute()))
     try:
+        if data.tokenizer not in ("bpe", "byte"):  # a hub name: its tokenizer.json in the local cache
+            data = dataclasses.replace(data, tokenizer=str(tokenizer_location(data.tokenizer)))
         corpus = prepare_corpus(data, seed=cfg.train.seed, special_tokens=SPECIAL_TOKENS[cfg.model.family])
     except DataError as e:
         raise ConfigError(str(e)) from None
+    check_eval_tokens(cfg, corpus.n_valid_tokens)
     run.corpus.write_text(corpus.to_json())
 
 

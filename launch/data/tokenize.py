@@ -1,4 +1,4 @@
-"""Tokenizers (`data.tokenizer: bpe | byte | PATH`) and the incremental writer of token arrays.
+"""Tokenizers (`data.tokenizer: bpe | byte | PATH | hub name`) and the incremental writer of token arrays.
 
 Every corpus with text gets a `tokenizer.json` in its cache folder (what `cona export` copies), and
 its documents are separated by the tokenizer's end-of-document token: the tokenizer's own
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from cona_cli.config import HUB_NAME
 from launch.data.sources import DataError
 
 # End-of-document tokens by their conventional text, in the order they are looked for.
@@ -124,6 +126,36 @@ def fingerprint(path: Path) -> str:
         h.update(f.name.encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def hub_cache() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    return Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface").expanduser() / "hub"
+
+
+def tokenizer_location(spec: str) -> Path:
+    """What `data.tokenizer` names: a local file or folder, else (a hub name `ORG/NAME`) the tokenizer.json
+    of its snapshot in the hub cache, `models--ORG--NAME/snapshots/REV/` (REV: refs/main's, else the newest),
+    offline. DataError naming the name and the folder searched when neither exists."""
+    path = Path(spec).expanduser()
+    if path.exists() or not HUB_NAME.fullmatch(spec):
+        return path
+    snapshots = hub_cache() / f"models--{spec.replace('/', '--')}" / "snapshots"
+    main = snapshots.parent / "refs" / "main"
+    revs = [snapshots / main.read_text().strip()] if main.is_file() else []
+    if snapshots.is_dir():
+        revs += sorted(snapshots.iterdir(), key=lambda d: d.stat().st_mtime, reverse=True)
+    found = next((d / "tokenizer.json" for d in revs if (d / "tokenizer.json").is_file()), None)
+    if found is None:
+        raise DataError(
+            f"data.tokenizer: {spec}: no such file or folder, nor a tokenizer.json of the hub model {spec} in "
+            f"{snapshots} (HF_HOME's cache; nothing is downloaded: fetch it once, e.g. `hf download {spec} "
+            "tokenizer.json`)"
+        )
+    return found
 
 
 def load(spec: str, special_tokens: tuple[str, ...]) -> TextTokenizer:
