@@ -148,8 +148,8 @@ class WallClock:
         """A checkpoint was saved; its seconds on this clock."""
         return measured_s
 
-    def resized(self, strategy: Strategy, step: int) -> None:
-        """The job resized in place to `strategy` after step `step`."""
+    def resized(self, strategy: Strategy) -> None:
+        """The job resized in place to `strategy` after the step just charged."""
 
 
 class VirtualClock(WallClock):
@@ -182,7 +182,7 @@ class VirtualClock(WallClock):
         self.t += self.spec.checkpoint_s
         return self.spec.checkpoint_s
 
-    def resized(self, strategy: Strategy, step: int) -> None:
+    def resized(self, strategy: Strategy) -> None:
         self.t += self.table_s(strategy)
 
 

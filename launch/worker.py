@@ -425,7 +425,6 @@ class Worker:
         self.memory_estimate = self.files.memory_estimates().get(str(strategy))
         reset_peak_memory(self.device)  # the new batch's own peak (CUDA; the CPU's peak RSS cannot go down)
         self.ensure_timed()
-        self.clock.resized(strategy, self.state.step)
         testhooks.maybe_die(self.run_dir, "resize", self.state.step, self.rank)
 
     def ensure_timed(self) -> None:
@@ -626,6 +625,8 @@ class Worker:
             s = out.strategy
             iter_s = self.clock.step(s, st.step, wall_iter_s)
             st.time = self.now()
+            if self.strategy != s:  # resized after this step: the gap before the next one
+                self.clock.resized(self.strategy)
             if not self.timeouts_shortened:  # communicators built, shapes inferred: steady-state timeout
                 groups = [self.mesh[d].get_group() for d in ("pp", "dp", "tp")]
                 shorten_timeouts(self.cfg.cluster.collective_timeout_s, groups)

@@ -21,6 +21,11 @@ runs (the paper's optimum sequence, with free switches): the ceiling of what cha
     python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3] [--first-seed N]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
         [--relaunch] [--cona-set cona-NAME:section.key=value] [--again static-16] [--tabulate]
+        [--clock virtual [--clock-table measured|PROFILE]]
+
+`--clock virtual` runs every condition on the virtual clock (`train.clock`): real training, each step
+charged its time from the table (`--clock-table`: measured on this host by default, or a hardware
+profile's modelled times), so identical runs agree and runs may share the machine with other work.
 
 `--relaunch` adds `cona-relaunch` with `search.in_place: false` (every switch relaunches); `--cona-set
 cona-NAME:SECTION.KEY=VALUE` adds a cona run with that override (an A/B of a policy setting, interleaved
@@ -257,14 +262,19 @@ def speedups(
     return out
 
 
-def bench_doc(config: Path, data: Path, max_time: float) -> dict:
-    """The config every run starts from: `data` as its corpus, `max_time` its only stop rule, no policy."""
+def bench_doc(config: Path, data: Path, max_time: float, clock: str = "wall", table: str | None = None) -> dict:
+    """The config every run starts from: `data` as its corpus, `max_time` its only stop rule (seconds of
+    `clock`, with `table` the virtual clock's), no policy."""
     doc = yaml.safe_load(config.read_text())
     if doc.get("data", {}).get("path"):
         doc["data"] = {**doc["data"], "path": str(data.resolve())}
     elif data != DEFAULT_DATA:
         raise SystemExit(f"--data: {config} trains on the synthetic corpus (no data.path) and cannot take it")
-    doc["train"] = {**doc["train"], "max_time": max_time}
+    doc["train"] = {**doc["train"], "max_time": max_time, "clock": clock}
+    if table is not None:
+        if clock != "virtual":
+            raise SystemExit("--clock-table: only with --clock virtual")
+        doc["train"]["clock_table"] = table
     for stop in ("target_ppl", "max_steps"):  # run the whole budget: every target gets a time
         doc["train"].pop(stop, None)
     for key in ("strategy", "chain", "policy"):
@@ -278,7 +288,14 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="replaces the config's data.path")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--first-seed", type=int, help="default: the config's train.seed")
-    ap.add_argument("--max-time", type=float, default=240.0)
+    ap.add_argument("--max-time", type=float, default=240.0, help="seconds of run time (of --clock)")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "virtual"),
+        default="wall",
+        help="virtual: every run's time from a step-time table, whatever the host's load (train.clock)",
+    )
+    ap.add_argument("--clock-table", help="the virtual clock's table: measured (default), a profile or a YAML path")
     ap.add_argument("--targets", default="600,400,300")
     ap.add_argument("--drop-worst", type=int, default=0, help="static rungs dropped after the first seed")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "ttp")
@@ -296,7 +313,7 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="keep run folders that finished; run only the others")
     args = ap.parse_args()
 
-    doc = bench_doc(args.config, args.data, args.max_time)
+    doc = bench_doc(args.config, args.data, args.max_time, args.clock, args.clock_table)
     cfg = load_config(args.config)
     ladder = gbs_ladder(cfg)
     runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], args.relaunch)

@@ -56,7 +56,7 @@ def ttp_rows(report: Report, sep: str) -> Rows:
     headers = ["run", "policy"] + [f"{ppl} ≤ {t:.4g}" for t in report.targets]
     if report.baseline:
         headers += [f"speed-up ≤ {t:.4g}" for t in report.targets]
-    headers += ["wall", "steps", "tokens", "switches", "switch overhead", f"final {ppl}", "exit"]
+    headers += ["clock", "time", "steps", "tokens", "switches", "switch overhead", f"final {ppl}", "exit"]
     rows = []
     for r in report.runs:
         row = [r.name, r.policy or "-"] + [_target_cell(t, sep) for t in r.targets]
@@ -64,6 +64,7 @@ def ttp_rows(report: Report, sep: str) -> Rows:
             row += [_num(t.speedup, ".2f", "×") for t in r.targets]
         overhead = f"{r.switch_overhead_s:.1f} s ({_num(r.switch_overhead_pct, '.1f', '%')})"
         row += [
+            r.clock,
             f"{r.wall_s:.1f} s",
             str(r.steps),
             _amount(r.tokens, r.samples),
@@ -169,6 +170,7 @@ CSV_FIELDS = (
     "best_ppl_time_s",
     "speedup",
     "baseline",
+    "clock",
     "wall_s",
     "steps",
     "samples",
@@ -205,6 +207,7 @@ def format_csv(report: Report) -> str:
             "policy": r.policy,
             "best_ppl": r.best_ppl,
             "baseline": report.baseline,
+            "clock": r.clock,
             "wall_s": r.wall_s,
             "steps": r.steps,
             "samples": r.samples,

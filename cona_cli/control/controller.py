@@ -235,14 +235,12 @@ class Controller:
             agents, pumps = self.jobs.start(
                 self.launch, worker_args(self.run_dir, stage, self.launch, resume), self._clock_start(resume)
             )
-        self._switch.update(
-            handover=time.time() - self.run_start, standby=warm, standby_ready=warm and standby.ready_logged
-        )
+        self._switch.update(handover=self._run_time(), standby=warm, standby_ready=warm and standby.ready_logged)
         self.state.agent_pids = [a.pid for a in agents]
         self._save_state(stage, prev)
         per_node = len(agents) > 1
         requested, failed, exiting = self._follow(agents, prev, progress, outcome_path)
-        self._switch["outcome"] = time.time() - self.run_start
+        self._switch["outcome"] = self._run_time()
         if exiting:  # handed over before the old job finished exiting: it ends in the background
             self._exiting += list(zip(agents, pumps))
         else:
@@ -261,6 +259,10 @@ class Controller:
         ]
         agent, path, failure = next((r for r in parsed if not r[2].knock_on), parsed[0])
         return LaunchResult(failure.exit_code, outcome, agent, failure, path), requested
+
+    def _run_time(self) -> float:
+        """Seconds since the run started: the host's, or under the virtual clock the latest time reported."""
+        return self.state.clock_s if self.clock is not None else time.time() - self.run_start
 
     def _clock_start(self, resume: Path | None) -> dict[str, str]:
         """Under the virtual clock, where this launch's first step begins: after the run time reported so
@@ -350,7 +352,7 @@ class Controller:
             if self._dirty:
                 self._save_state(self.stage, prev)
             if switch_to is not None and requested is None and self._resizing is None:
-                self._switch = {"decision": time.time() - self.run_start}
+                self._switch = {"decision": self._run_time()}
                 if not (self._resizes_into(switch_to.strategy) and self._resize(switch_to)):
                     requested = switch_to
             self.standbys.maybe_prepare(requested.strategy if requested is not None else self._relaunch_expected())
@@ -495,7 +497,7 @@ class Controller:
         ppl = self.last_eval.get("val_ppl")
         ppl_text = f", val ppl {ppl:.2f}" if ppl is not None else ""
         self.console.print(
-            f"cona: {reason} at step {step}{ppl_text} after {time.time() - self.run_start:.1f} s "
+            f"cona: {reason} at step {step}{ppl_text} after {self._run_time():.1f} s "
             f"({self.launch} launches); run dir {self.run_dir}"
         )
         return code

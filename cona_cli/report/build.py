@@ -52,6 +52,7 @@ class RunReport:
     name: str
     path: str
     policy: str | None
+    clock: str  # wall, or virtual: TABLE
     exit_reason: str | None  # None: no exit event (still running, or the controller died)
     wall_s: float
     steps: int
@@ -233,6 +234,7 @@ def run_report(log: RunLog, targets: Sequence[float]) -> RunReport:
         name=log.name,
         path=str(log.path),
         policy=log.policy,
+        clock=log.clock,
         exit_reason=str(exit_event.get("reason")) if exit_event else None,
         wall_s=wall,
         steps=last.step if last else 0,

@@ -90,8 +90,19 @@ class RunLog:
         return next((e for e in reversed(self.events) if e.kind == kind), None)
 
     @property
+    def clock(self) -> str:
+        """The run's clock: `wall`, or `virtual: TABLE` (`train.clock`; its times are the table's)."""
+        start = self.first("start")
+        if start is None or start.get("clock", "wall") == "wall":
+            return "wall"
+        return f"virtual: {start.get('clock_table')}"
+
+    @property
     def wall_s(self) -> float:
-        """Seconds from run start to the exit event, or to the latest record of a run without one."""
+        """Seconds from run start to the exit event, or to the latest record of a run without one (on the
+        virtual clock: to its latest row, the controller's events being on the host's clock)."""
+        if self.clock != "wall":
+            return max((r.time for r in (*self.steps, *self.evals)), default=0.0)
         end = self.last("exit")
         if end is not None:
             return end.time

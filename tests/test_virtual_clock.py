@@ -1,0 +1,64 @@
+"""The virtual clock end to end: two runs of one config and seed under policy cona, the second beside a
+CPU-bound process, make the same decisions at the same steps and write the same rows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO
+
+pytestmark = pytest.mark.e2e
+
+ROW_KEYS = ("kind", "step", "time", "iter_s", "loss", "val_ppl", "gbs", "mbs", "consumed_samples", "launch")
+BURN = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end:\n    sum(range(10000))\n"
+
+
+def _train(run: Path) -> None:
+    args = ["--set", "train.clock=virtual", "--set", "train.max_steps=200", "--run-dir", str(run)]
+    proc = subprocess.run(
+        [sys.executable, "-c", "from cona_cli.app import main; main()", "train", "configs/tiny.yaml", *args],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _rows(run: Path) -> list[dict]:
+    return [{k: r.get(k) for k in ROW_KEYS} for r in _lines(run / "metrics.jsonl")]
+
+
+def _decisions(run: Path) -> list[tuple]:
+    kinds = ("decision", "switch", "target_reached", "exit")
+    keep = ("step", "switch", "ratio", "to", "seconds", "reason", "val_ppl")
+    return [(e["kind"], *(e.get(k) for k in keep)) for e in _lines(run / "events.jsonl") if e["kind"] in kinds]
+
+
+def test_two_runs_agree_step_for_step_whatever_the_hosts_load(tmp_path: Path) -> None:
+    _train(tmp_path / "idle")
+    burner = subprocess.Popen([sys.executable, "-c", BURN])
+    try:
+        _train(tmp_path / "loaded")
+    finally:
+        burner.kill()
+        burner.wait()
+    idle, loaded = _rows(tmp_path / "idle"), _rows(tmp_path / "loaded")
+    assert idle == loaded
+    assert _decisions(tmp_path / "idle") == _decisions(tmp_path / "loaded")
+    switches = [d for d in _decisions(tmp_path / "idle") if d[0] == "switch"]
+    assert switches, "policy cona switched at least once"
+    assert all(d[5] > 0 for d in switches)  # an in-place resize is charged one step
+    walls = [r["wall_time"] for r in _lines(tmp_path / "loaded" / "metrics.jsonl") if r["kind"] == "step"]
+    assert all(w is not None for w in walls)  # the host's time stays beside the virtual one
+    clock = json.loads((tmp_path / "idle" / "clock.json").read_text())
+    assert clock["source"] == "measured" and len(clock["table"]) == len({r["gbs"] for r in idle if r["gbs"]})
