@@ -2,10 +2,17 @@
 
 Layout: `ROOT/step_000120/` holds the DCP shards, `trainer.json` (step, consumed samples, strategy,
 schedule and statistics state) and a `COMMITTED` marker written last. Saving goes to
-`ROOT/.tmp-step_000120/` first and is renamed once every rank has finished, so a crash mid-save
-never leaves a folder that looks complete. Loading ignores folders without the marker, and reshards
-to whatever layout is running: parameter names are the same under every (dp, tp, pp). Pruning
-runs only after a newer checkpoint is committed, so the newest committed one is never deleted first.
+`ROOT/.tmp-step_000120/` first; once every rank has finished, rank 0 writes `trainer.json` and the
+marker there, fsyncs them and the folder, renames the folder to its final name and fsyncs `ROOT`, so
+a crash (or power loss) mid-save never leaves a `step_*` folder that looks complete and is not.
+Loading ignores folders without the marker, and reshards to whatever layout is running: parameter
+names are the same under every (dp, tp, pp). Pruning keeps the `keep` highest steps (by the number
+in the name, which grows past six digits), and runs only after a newer checkpoint is committed, so
+the newest committed one is never deleted first.
+
+A read that fails with a transient I/O error (EIO, ESTALE, EMFILE, a timeout: shared storage
+hiccups) is tried `LOAD_TRIES` times with a short backoff before the load fails: a good checkpoint
+is quarantined only for a failure that repeats or a content check that fails.
 
 A save that cannot write (disk full, quota, permission, read-only storage) raises `SaveError` on
 every rank with one line naming the path and what it needs; its temporary folder is removed and the
@@ -23,13 +30,14 @@ import errno
 import json
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,6 +64,10 @@ STORAGE_EXIT = 5  # a worker whose checkpoint could not be written exits with th
 _FAULT_ENV = "CONA_TEST_SAVE_ERRNO"
 _NO_ROOM = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded", errno.EFBIG: "file too large"}
 _NOT_WRITABLE = {errno.EACCES: "permission denied", errno.EPERM: "not permitted", errno.EROFS: "read-only file system"}
+LOAD_TRIES = 3  # reads of a checkpoint that fail with a transient I/O error, tried this often in all
+LOAD_BACKOFF_S = 0.5  # the wait before the second try, doubled before each further one
+_TRANSIENT = {errno.EIO, errno.ESTALE, errno.EMFILE, errno.ETIMEDOUT}
+_T = TypeVar("_T")
 
 
 class CheckpointError(RuntimeError):
@@ -190,8 +202,9 @@ def _commit(
     optimizer: torch.optim.Optimizer,
     before_commit: Callable[[], None] | None,
 ) -> Path:
-    """Collective, once every rank's shards are in `tmp`: rank 0 writes the trainer state, renames the
-    folder to its final name and writes the marker; then older checkpoints are pruned."""
+    """Collective, once every rank's shards are in `tmp`: rank 0 writes the trainer state and the marker,
+    both durable with their folder, then renames the folder to its final name durably; then older
+    checkpoints are pruned."""
     final = step_dir(root, step)
     rank0 = dist.get_rank() == 0
     if before_commit is not None:
@@ -200,20 +213,40 @@ def _commit(
 
     def commit() -> None:
         _maybe_fault(step, tmp / TRAINER_STATE)
-        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
+        _write_durably(tmp / TRAINER_STATE, json.dumps(trainer_state))
+        _write_durably(tmp / MARKER, f"{step}\n")
+        _fsync_dir(tmp)
         if final.exists():  # an unusable attempt at the same step (a usable one is never re-saved)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        with open(final / MARKER, "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _fsync_dir(root)
 
     _together(commit if rank0 else None, root, tmp, model, optimizer)
     if rank0:
         _prune(root, keep)  # only now: the new checkpoint is committed
     dist.barrier()
     return final
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Write `path` and fsync it."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a folder: the names created in or renamed into it survive a crash (on file systems that
+    cannot sync a folder, EINVAL, their own guarantees hold)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _maybe_fault(step: int, path: Path) -> None:
@@ -268,7 +301,7 @@ def _storage_message(e: OSError, root: Path, model: torch.nn.Module, optimizer: 
     if e.errno in _NOT_WRITABLE:
         need = f"{root} must be writable by this user (uid {os.getuid()})"
         return f"cannot write checkpoint {path}: {_NOT_WRITABLE[e.errno]}; {need}"
-    newest = committed(root)
+    newest = _newest_first(root)
     size = _dir_bytes(newest[0]) if newest else _state_bytes(model, optimizer) * dist.get_world_size()
     try:
         free = f", {shutil.disk_usage(root).free / 1e6:.1f} MB free"
@@ -285,9 +318,19 @@ def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     return params + sum(t.numel() * t.element_size() for t in moments)
 
 
+def _newest_first(root: Path) -> list[Path]:
+    """The committed checkpoints under `root`, highest step first (by the number in the name)."""
+    return sorted(committed(root), key=_step_of, reverse=True)
+
+
+def _step_of(path: Path) -> int:
+    digits = path.name.removeprefix("step_")
+    return int(digits) if digits.isdigit() else -1
+
+
 def _prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` committed checkpoints; drop stale temporary folders."""
-    for old in committed(root)[keep:]:
+    """Keep the `keep` committed checkpoints of the highest steps; drop stale temporary folders."""
+    for old in _newest_first(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     for tmp in root.glob(".tmp-step_*"):
         shutil.rmtree(tmp, ignore_errors=True)
@@ -302,16 +345,14 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     if not (path / MARKER).is_file():
         raise CheckpointError(f"{path}: not a committed checkpoint (no {MARKER} marker)")
     try:
-        trainer_state = read_trainer_state(path)
+        trainer_state = _retrying(lambda: read_trainer_state(path), path)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     states = _states(model, optimizer)  # out of memory here (the optimizer's moments) is raised as it is
     error: tuple[bool, str] | None = None  # (out of memory, what went wrong)
     failed: BaseException | None = None
     try:
-        with warnings.catch_warnings():  # DCP warns that no_dist means one process; here it means no collectives
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(states, checkpoint_id=str(path), no_dist=True)
+        _retrying(lambda: _read_shards(states, path), path)
     except (Exception, CheckpointException) as e:  # several types for missing/truncated/garbled shards
         failed, error = e, (is_out_of_memory(e), _describe(e))
     errors: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
@@ -332,6 +373,47 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
             raise
         raise CheckpointError(f"{path}: does not fit the model ({type(e).__name__}: {str(e)[:200]})") from None
     return trainer_state
+
+
+def _read_shards(states: dict[str, Any], path: Path) -> None:
+    """This rank's pieces of the checkpoint at `path` into `states`, in place (no collectives)."""
+    with warnings.catch_warnings():  # DCP warns that no_dist means one process; here it means no collectives
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(states, checkpoint_id=str(path), no_dist=True)
+
+
+def _retrying(read: Callable[[], _T], path: Path) -> _T:
+    """`read()`, tried again after a backoff while it fails with a transient I/O error (`LOAD_TRIES` in all);
+    any other error, or the last try's, is raised as it is."""
+    for attempt in range(1, LOAD_TRIES):
+        try:
+            return read()
+        except (Exception, CheckpointException) as e:
+            if not _transient(e):
+                raise
+            wait = LOAD_BACKOFF_S * 2 ** (attempt - 1)
+            said = f"reading checkpoint {path} failed ({_describe(e)}); try {attempt + 1} of {LOAD_TRIES} in {wait:g} s"
+            print(f"cona checkpoint: {said}", file=sys.stderr, flush=True)
+            time.sleep(wait)
+    return read()
+
+
+def _transient(e: BaseException) -> bool:
+    """Whether `e`, or an error it wraps or was raised from, is an I/O error that may pass: EIO, ESTALE,
+    EMFILE or a timeout."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, TimeoutError) or (isinstance(err, OSError) and err.errno in _TRANSIENT):
+            return True
+        if isinstance(err, CheckpointException):  # DCP's: each failed rank's (error, traceback)
+            todo += [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+        todo += [err.__cause__, err.__context__]
+    return False
 
 
 def _describe(e: BaseException) -> str:

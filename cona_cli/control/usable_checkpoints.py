@@ -23,12 +23,16 @@ def expected_shapes(cfg: Config, run: RunDir) -> Shapes:
 
 
 def candidates(root: Path) -> list[Path]:
-    """Every `step_*` folder, committed or not, newest first."""
+    """Every `step_*` folder, committed or not, highest step first (by the number in the name: `step_1000000`
+    is newer than `step_999999`; a name without a number comes last)."""
     if not root.is_dir():
         return []
-    return sorted(
-        (d for d in root.iterdir() if d.name.startswith("step_") and d.is_dir()), key=lambda d: d.name, reverse=True
-    )
+    return sorted((d for d in root.iterdir() if d.name.startswith("step_") and d.is_dir()), key=_step_of, reverse=True)
+
+
+def _step_of(path: Path) -> int:
+    digits = path.name.removeprefix("step_")
+    return int(digits) if digits.isdigit() else -1
 
 
 def checkpoint_step(path: Path) -> int:
