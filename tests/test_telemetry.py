@@ -35,9 +35,9 @@ def test_client_streams_and_receives_commands(server: TelemetryServer, monkeypat
     for key, value in server.env().items():
         monkeypatch.setenv(key, value)
     client = TelemetryClient()
-    client.send({"type": "metric", "step": 1, "loss": 2.5})
+    client.send({"type": "metric", "kind": "step", "step": 1, "loss": 2.5})
     msg = server.messages.get(timeout=5)
-    assert msg == {"type": "metric", "step": 1, "loss": 2.5}
+    assert msg == {"type": "metric", "kind": "step", "step": 1, "loss": 2.5}
     assert server.send({"cmd": "checkpoint_and_exit"}) == 1
     received: list[dict] = []
     _wait(lambda: bool(received.extend(client.poll()) or received))
@@ -61,10 +61,10 @@ def test_bad_peers_are_dropped_and_server_survives(server: TelemetryServer) -> N
     good.sendall(
         json.dumps({"type": "hello", "token": server.token}).encode()
         + b"\n"
-        + json.dumps({"type": "metric", "step": 1}).encode()
+        + json.dumps({"type": "metric", "kind": "step", "step": 1}).encode()
         + b"\n"
     )
-    assert server.messages.get(timeout=5) == {"type": "metric", "step": 1}
+    assert server.messages.get(timeout=5) == {"type": "metric", "kind": "step", "step": 1}
     for s in (wrong, garbage, big, good):
         s.close()
 
