@@ -122,7 +122,7 @@ def test_local_nodes_meet_in_a_c10d_rendezvous_hosted_by_node_0() -> None:
             "--nproc-per-node=2",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={rdzv.endpoint}",
-            "--rdzv-id=cona-abc-3",
+            f"--rdzv-id={rdzv.run_id}",
             "--max-restarts=0",
             "--local-addr=127.0.0.1",
             f"--rdzv-conf=is_host={int(i == 0)}",

@@ -6,6 +6,10 @@ node, per launch) whose store the head node's agent hosts. The head node is this
 controller runs: the first of `cluster.nodes` for `ssh`, the first host of the allocation for
 `slurm` (an sbatch script runs there), loopback for `local`.
 
+The rendezvous id is on every node's command line, where `ps` shows it to anyone: it is a digest of the
+launch's name under a key random to this controller, unique per launch and the same on every node
+(every command line is built here), and it tells nothing of the name, which may hold a secret.
+
 `local` nodes share this machine, and its GPUs: with a GPU backend every rank needs its own GPU
 (nodes x procs_per_node of them, else a one-line refusal before anything starts), and each local node
 sees only its own slice through CUDA_VISIBLE_DEVICES (its ranks take cuda:LOCAL_RANK, which would
@@ -15,7 +19,9 @@ otherwise be the same GPUs on every node: NCCL's "Duplicate GPU detected").
 from __future__ import annotations
 
 import glob
+import hmac
 import os
+import secrets
 import socket
 import sys
 from collections.abc import Mapping
@@ -26,6 +32,7 @@ from cona_cli.cluster.slurm import SlurmError, allocation_hosts
 from cona_cli.config import ClusterConfig, ConfigError
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's default, for an explicit endpoint host without a port
+_RDZV_KEY = secrets.token_bytes(16)  # this controller's key of rendezvous ids
 
 
 class ClusterError(ValueError):
@@ -130,8 +137,9 @@ class Rendezvous:
     host_node: int | None  # the node whose agent hosts the store (None: torchrun decides by hostname)
 
 
-def rendezvous(cluster: ClusterConfig, nodes: list[Node], run_id: str) -> Rendezvous:
-    """The rendezvous of one launch: `cluster.rdzv_endpoint`, else the head node and a free port."""
+def rendezvous(cluster: ClusterConfig, nodes: list[Node], launch_name: str) -> Rendezvous:
+    """The rendezvous of the launch named `launch_name` (unique to it): `cluster.rdzv_endpoint`, else the
+    head node and a free port; its id is `rendezvous_id(launch_name)`."""
     if cluster.rdzv_endpoint:
         host, sep, port = cluster.rdzv_endpoint.rpartition(":")
         if not sep or not port.isdigit():
@@ -144,7 +152,12 @@ def rendezvous(cluster: ClusterConfig, nodes: list[Node], run_id: str) -> Rendez
             raise ClusterError(f"cluster.head_addr: {host} is not an address of this machine ({e.strerror})") from None
     # Under slurm one srun command line serves every node: torchrun matches the host name itself.
     hosting = [] if cluster.launcher == "slurm" else [n.index for n in nodes if n.addr == host]
-    return Rendezvous(f"{host}:{port}", run_id, hosting[0] if hosting else None)
+    return Rendezvous(f"{host}:{port}", rendezvous_id(launch_name), hosting[0] if hosting else None)
+
+
+def rendezvous_id(launch_name: str) -> str:
+    """`cona-` and 16 hex digits of an HMAC of `launch_name` under this controller's random key."""
+    return "cona-" + hmac.new(_RDZV_KEY, launch_name.encode(), "sha256").hexdigest()[:16]
 
 
 def may_use_gpus(cluster: ClusterConfig) -> bool:
