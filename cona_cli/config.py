@@ -53,6 +53,12 @@ def _precision(v: Any) -> str | None:
 _AUTO_BOOL = "must be auto, true or false"
 
 
+def _clock_table(v: Any) -> str | None:
+    if isinstance(v, dict) and (not v or any(s <= 0 for s in v.values())):
+        return "must map strategies or global batches to seconds > 0"
+    return None if v else "must not be empty"
+
+
 def _f(default: Any = dataclasses.MISSING, check: Check | None = None) -> Any:
     return field(default=default, metadata={"check": check})
 
@@ -288,7 +294,7 @@ class TrainConfig:
     clock: str = _f("wall", _one_of("wall", "virtual"))
     # virtual: measured (this host's step times, calibrated once per strategy and cached), a hardware
     # profile's name or YAML path (the planner's step times on that cluster), or {strategy or gbs: seconds}
-    clock_table: str | dict[str | int, float] | None = _f(None)
+    clock_table: str | dict[str | int, float] | None = _f(None, _clock_table)
     # virtual: log std of a step's time factor (default: the calibration's measured spread; 0 for a profile or mapping)
     clock_noise: float | None = _f(None, _non_negative)
 
@@ -534,8 +540,6 @@ def cross_field_problem(cfg: Config) -> str | None:
         return "train.gns: policy cona decides on the gradient noise scale; it needs gns: true"
     if t.clock == "wall" and (t.clock_table is not None or t.clock_noise is not None):
         return f"train.clock_{'table' if t.clock_table is not None else 'noise'}: only with train.clock: virtual"
-    if isinstance(t.clock_table, dict) and (not t.clock_table or any(v <= 0 for v in t.clock_table.values())):
-        return "train.clock_table: a mapping of strategies or global batches to seconds > 0"
     if cfg.policy == "ramp" and t.rampup_batch_size is None:
         return "policy: ramp needs train.rampup_batch_size [START, INCREMENT, SAMPLES]"
     return None

@@ -120,7 +120,7 @@ def test_a_table_that_cannot_time_the_run_is_refused(tmp_path: Path, train: dict
     ("train", "error"),
     [
         ({"clock": "virtual", "clock_noise": -0.1}, "train.clock_noise: must be >= 0"),
-        ({"clock": "virtual", "clock_table": {8: 0}}, "train.clock_table: a mapping"),
+        ({"clock": "virtual", "clock_table": {8: 0}}, "train.clock_table: must map strategies or global batches to seconds > 0"),
         ({"clock_table": "a6000-2x8"}, "train.clock_table: only with train.clock: virtual"),
         ({"clock": "sundial"}, "train.clock: must be one of wall, virtual"),
     ],

@@ -20,7 +20,7 @@ BAD = [
     ({"model": {"d_model": 2.5}}, "model.d_model: must be an integer"),
     ({"model": {"family": "rnn"}}, "model.family: must be one of gpt"),
     ({"model": {"dropout": 1.5}}, "model.dropout: must be in [0, 1)"),
-    ({"data": {"tokenizer": "wordpiece"}}, "data.tokenizer: must be one of"),
+    ({"data": {"tokenizer": "my tokenizer"}}, "data.tokenizer: must be one of"),
     ({"cluster": {"backend": "mpi"}}, "cluster.backend: must be one of"),
     ({"cluster": {"procs_per_node": -2}}, "cluster.procs_per_node: must be > 0"),
     ({"strategy": "dp3-tp1-pp1-mbs1-gbs12"}, "dp*tp*pp = 3 != world size 4"),

@@ -122,7 +122,7 @@ class JobStarter:
         """Start launch `launch` running `tail` on every rank (`extra_env` added to their environment);
         its agents and their output pumps."""
         c = self.cfg.cluster
-        rdzv = rendezvous(c, self.nodes, f"cona-{self.telemetry.token[:8]}-{launch}") if self.multi_node else None
+        rdzv = rendezvous(c, self.nodes, f"{self.files.path.resolve()}-{launch}") if self.multi_node else None
         env = {
             **allocator_env(self.cfg),
             **self.telemetry.env(),

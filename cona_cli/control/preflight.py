@@ -26,6 +26,7 @@ from cona_cli.cluster.slurm import SlurmError
 from cona_cli.config import Config, ConfigError
 from cona_cli.control.policies import Policy
 from cona_cli.control.run_setup import check_eval_tokens, check_run_dir, eval_tokens_needed, make_policy
+from cona_cli.rundir import RunDir
 
 if TYPE_CHECKING:
     from launch.data.tokenize import TextTokenizer
@@ -45,10 +46,19 @@ class Checked:
 def preflight(cfg: Config, run_dir: Path) -> Checked:
     """Run every check of a first launch into `run_dir`; ConfigError (one line) at the first that fails."""
     cfg, policy = make_policy(cfg)
+    check_clock(cfg, policy, run_dir)
     check_nodes(cfg)
     check_run_dir(run_dir)
     tok, where = load_tokenizer(cfg)
     return Checked(cfg, policy, f"{check_data(cfg, tok)}, tokenizer {where}")
+
+
+def check_clock(cfg: Config, policy: Policy, run_dir: Path) -> None:
+    """Under the virtual clock, its table times every strategy the policy may run."""
+    if cfg.train.clock == "virtual":
+        from cona_cli.control.clock_table import clock_spec  # the planner's cost model: numpy
+
+        clock_spec(cfg, RunDir(run_dir), policy.strategies())
 
 
 def check_nodes(cfg: Config) -> None:
