@@ -118,7 +118,7 @@ class Controller:
             self.files.clock.write_text(spec.to_json())
         lines = describe(spec)
         where = f" (cache {spec.cache})" if spec.cache else ""
-        self.console.print(f"cona: virtual clock, table {spec.source}{where}: {len(lines)} strategies timed")
+        self.console.print(f"cona: virtual clock, table {spec.source}{where}; the fastest of each global batch:")
         for line in lines:
             self.console.print(f"  {line}", markup=False, highlight=False)
         return spec
