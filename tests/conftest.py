@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,46 @@ def tiny_run_dir(tmp_path: Path) -> Path:
     (tmp_path / "config.resolved.json").write_text(json.dumps(cfg.to_raw()))
     (tmp_path / "corpus.json").write_text(prepare_corpus(cfg.data, seed=cfg.train.seed).to_json())
     return tmp_path
+
+
+# Scripts that start torchrun jobs themselves (their --help does not).
+JOB_SCRIPTS = {
+    "chaos.py",
+    "bench_switch.py",
+    "bench_checkpoint.py",
+    "bench_layouts.py",
+    "bench_layouts_ranks.py",
+    "bench_gns_overhead.py",
+    "bench_lr_attribution.py",
+    "gpu_checks.py",
+}
+JOB_MODULES = {"launch.forkrun", "torch.distributed.run", "launch.worker", "launch.standby"}
+
+
+def starts_a_job(argv: object) -> bool:
+    """Whether a command line starts a torchrun job itself: torchrun or cona's agent (`-m MODULE`), a rank's
+    module, or a script that runs them (not its --help)."""
+    words = [str(a) for a in argv] if isinstance(argv, list | tuple) else str(argv).split()
+    if "--help" in words:
+        return False
+    modules = {b for a, b in itertools.pairwise(words) if a == "-m"}
+    scripts = {Path(w).name for w in words if Path(w).parent.name == "scripts"}
+    return bool(modules & JOB_MODULES or scripts & JOB_SCRIPTS) or Path(words[0]).name == "torchrun"
+
+
+@pytest.fixture(autouse=True)
+def _no_job_outside_e2e(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make test-fast` (-m "not e2e") starts no training job: a test not marked e2e fails when it starts
+    torchrun itself, and `cona train` refuses to start a job in it or in any process it runs
+    (`CONA_TEST_NO_JOBS`, read where jobs start: `cona_cli.cluster.launchers`)."""
+    if request.node.get_closest_marker("e2e") is not None:
+        return
+    monkeypatch.setenv("CONA_TEST_NO_JOBS", "1")
+    original = subprocess.Popen.__init__
+
+    def guarded(self: subprocess.Popen, args: object, *rest: object, **kwargs: object) -> None:
+        if starts_a_job(args):
+            pytest.fail(f"a test not marked e2e starts a torchrun job: {args}", pytrace=False)
+        original(self, args, *rest, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)

@@ -496,4 +496,4 @@ def test_gpu_checks_times_the_step_with_and_without_the_noise_scale(tmp_path: Pa
     rows = {r["check"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
     assert set(rows) == {"step time / plain loop", "step with GNS / without"}
     assert rows["step with GNS / without"]["layout"] == "dp2-tp1-pp1-mbs2-gbs8"
-    assert all(0 < r["value"] < 100 for r in rows.values()), rows
+    assert all(r["value"] > 0 for r in rows.values()), rows  # figures of this host, not bounds

@@ -47,8 +47,9 @@ def telemetry() -> Iterator[TelemetryServer]:
     ids=["local", "ssh"],
 )
 def test_launch_command_lines_hold_no_piece_of_the_token(
-    tmp_path: Path, telemetry: TelemetryServer, cluster: dict
+    tmp_path: Path, telemetry: TelemetryServer, cluster: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("CONA_TEST_NO_JOBS")  # the recording launcher starts nothing
     doc = copy.deepcopy(TINY)
     doc["cluster"], doc["strategy"] = cluster, "dp4-tp1-pp1-mbs2-gbs16"
     cfg = config_from_dict(doc)

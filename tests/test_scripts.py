@@ -460,7 +460,7 @@ def test_bench_prepare_prints_peak_memory_and_the_rate_against_the_raw_tokenizer
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert number(r"peak RSS of the preparing process: (\d+) MiB", proc.stdout) > 50
-    assert 0.05 < number(r"preparation / raw tokenizer rate: ([\d.]+)", proc.stdout) < 5
+    assert number(r"preparation / raw tokenizer rate: ([\d.]+)", proc.stdout) > 0  # a figure, not a bound
     tokens = number(r"prepared: ([\d,]+) train", proc.stdout.replace(",", ""))
     assert tokens > 100_000 and (tmp_path / "work" / "corpus" / "train.txt").stat().st_size >= 3_000_000
 

@@ -59,6 +59,7 @@ def test_bad_input_is_refused_in_one_line_before_anything_trains(tiny: Path, arg
     assert not Path("runs").exists()
 
 
+@pytest.mark.e2e
 def test_a_sweep_trains_the_base_batch_at_each_rate_and_names_the_best(tiny: Path) -> None:
     out = Path("sweep")
     result = runner.invoke(app, ["tune-lr", str(tiny), "--lrs", "3e-4,3e-3", "--tokens", "10240", "--out", str(out)])

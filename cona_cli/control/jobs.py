@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 
 from cona_cli.cluster.launchers import Agent, Launcher
-from cona_cli.cluster.nodes import Node, rendezvous, torchrun_args
+from cona_cli.cluster.nodes import ClusterError, Node, rendezvous, torchrun_args
 from cona_cli.config import Config
 from cona_cli.control.policies import Stage
 from cona_cli.control.runstate import write_atomic
@@ -31,6 +31,8 @@ from cona_cli.strategy import Strategy
 # large-batch steps on this box 20-30 % faster (gbs 32 at seq 128: 0.53 -> 0.43 s/it; README, Engine
 # notes). The same two variables set by the user, in the environment or the config, win.
 GLIBC_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
+# Test hook: set, no job starts (the test suite's unit tests, tests/conftest.py, start none).
+NO_JOBS_ENV = "CONA_TEST_NO_JOBS"
 
 
 class EventLog:
@@ -121,6 +123,8 @@ class JobStarter:
     ) -> tuple[list[Agent], list[threading.Thread]]:
         """Start launch `launch` running `tail` on every rank (`extra_env` added to their environment);
         its agents and their output pumps."""
+        if os.environ.get(NO_JOBS_ENV):
+            raise ClusterError(f"{NO_JOBS_ENV} is set: no torchrun job may start in this process")
         c = self.cfg.cluster
         rdzv = rendezvous(c, self.nodes, f"{self.files.path.resolve()}-{launch}") if self.multi_node else None
         env = {
