@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from cona_cli.rundir import MARKER, TRAINER_STATE, committed, read_trainer_state, step_dir
+from launch import testhooks
 from launch.device import is_out_of_memory
 
 # Flattened optimizer state: the default nests param_groups in one pickled entry that DCP keeps from
@@ -377,6 +378,7 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
 def _read_shards(states: dict[str, Any], path: Path) -> None:
     """This rank's pieces of the checkpoint at `path` into `states`, in place (no collectives)."""
+    testhooks.load_fault()
     with warnings.catch_warnings():  # DCP warns that no_dist means one process; here it means no collectives
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(states, checkpoint_id=str(path), no_dist=True)

@@ -37,6 +37,12 @@ class TelemetryClient:
         """False before connecting, without a controller, or once the connection broke."""
         return self._sock is not None
 
+    def close(self) -> None:
+        """Drop the connection (the controller sees it close)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
     def send(self, message: dict[str, Any]) -> None:
         if self._sock is None:
             return

@@ -342,7 +342,7 @@ class Worker:
         # Rank 0 decides time- and command-driven stops, evaluations and checkpoints for everyone.
         stop = 0.0
         if self.rank == 0:
-            self.poll_commands()  # as late as possible: a command that came during this step stops after it
+            self.poll_commands(st.step + 1)  # as late as possible: a command that came during this step stops after it
             command = _STOP_SWITCH if self.switch_requested else _STOP_COMMAND
             stop = command if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
         resize, self.resize_requested = self.resize_requested, None
@@ -552,11 +552,13 @@ class Worker:
         by_time = t.eval_interval_s is not None and self.now() - st.last_eval_time >= t.eval_interval_s
         return by_steps or by_time
 
-    def poll_commands(self) -> None:
-        """Rank 0: a stop command, or a controller that went away (killed) or was never reached, stops the
-        job after this step."""
+    def poll_commands(self, step: int) -> None:
+        """Rank 0, in step `step`: a stop command, or a controller that went away (killed) or was never
+        reached, stops the job after this step."""
         if not self.controlled:
             return
+        if testhooks.disconnect_due(self.run_dir, step):
+            self.telemetry.close()
         for msg in self._commands():
             if msg.get("cmd") == "checkpoint_and_exit":
                 self.stop_requested = True
