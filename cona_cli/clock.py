@@ -5,15 +5,17 @@ advances by what the table says a step of the running strategy takes, times a lo
 from the run's seed and the step number (a third of its variance slow drift: two sinusoids of seeded
 phase), so two runs of one config and seed see the same times, whatever else the host runs.
 Everything else that takes time is charged on it too:
-- a launch's start, a relaunch included: `relaunch_s` (the config's `search.switch_cost_s`), plus the
+- a launch's start (process start, imports, process group, model and layout): as measured, or
+  `relaunch_s` (the config's `search.switch_cost_s`) where a table does not measure; plus the
   checkpoint's load when it resumes one;
-- an evaluation: its tokens at a third of a training step's time per token (forward only);
+- an evaluation: as measured, or its tokens at a third of a training step's time per token (forward only);
 - a checkpoint save, and its load: `CHECKPOINT_BYTES_PER_PARAM` bytes per parameter at `STORAGE_GBS`;
 - an in-place resize: one step of the new strategy.
 
 The table (`train.clock_table`): `measured` (each strategy's median step time on this host, measured by a
-short calibration pass the first time it runs and cached per config and host, `measured_cache`), a
-hardware profile (the planner's cost model on that cluster), or a mapping {strategy or gbs: seconds}.
+short calibration pass the first time it runs, with its launch's start and one evaluation, and cached per
+config and host, `measured_cache`), a hardware profile (the planner's cost model on that cluster), or a
+mapping {strategy or gbs: seconds}.
 The controller writes the resolved table to the run folder (`RunDir.clock`); the workers read it.
 """
 
@@ -39,6 +41,7 @@ FORWARD_SHARE = 1 / 3  # an evaluation token costs this share of a training toke
 DRIFT_SHARE = 0.36  # of the step factor's log variance: slow drift, the rest independent per step
 DRIFT_PERIODS = (173.0, 811.0)  # steps: the two sinusoids of the drift
 CALIBRATION_STEPS = (2, 8)  # a calibration pass: untimed steps, then timed ones
+TIMING = ("seconds", "spread", "start_s", "eval_s")  # what a calibration measures of a strategy (`record`)
 
 
 @dataclass
@@ -54,6 +57,8 @@ class ClockSpec:
     table: dict[str, float] = field(default_factory=dict)
     by_gbs: dict[int, float] = field(default_factory=dict)
     spreads: dict[str, float] = field(default_factory=dict)
+    starts: dict[str, float] = field(default_factory=dict)  # measured: a launch's start under the strategy
+    evals: dict[str, float] = field(default_factory=dict)  # measured: one evaluation under the strategy
     cache: str | None = None  # measured: the cache file of this config and host
 
     def seconds(self, strategy: Strategy) -> float | None:
@@ -63,18 +68,28 @@ class ClockSpec:
     def sigma(self, strategy: Strategy) -> float:
         return self.noise if self.noise is not None else self.spreads.get(str(strategy), 0.0)
 
-    def record(self, strategy: Strategy, seconds: float, spread: float) -> None:
-        """A calibrated strategy: into the table, and into the host's cache."""
-        self.table[str(strategy)] = seconds
-        self.spreads[str(strategy)] = spread
+    def start_s(self, strategy: Strategy) -> float:
+        """What a launch's start under `strategy` is charged (before any checkpoint load)."""
+        return self.starts.get(str(strategy), self.relaunch_s)
+
+    def record(self, strategy: Strategy, timing: dict[str, float]) -> None:
+        """A calibrated strategy's `seconds` (median step), `spread` (log std of a step), `start_s` and
+        `eval_s`: into the table, and into the host's cache."""
+        self.take(strategy, timing)
         if self.cache is not None:
             path = Path(self.cache)
             cached = read_cache(path)
-            cached[str(strategy)] = {"seconds": seconds, "spread": spread}
+            cached[str(strategy)] = timing
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
             os.replace(tmp, path)
+
+    def take(self, strategy: Strategy, timing: dict[str, float]) -> None:
+        """Set `strategy`'s measured times (a cache entry, as `record` writes it)."""
+        name = str(strategy)
+        self.table[name], self.spreads[name] = timing["seconds"], timing["spread"]
+        self.starts[name], self.evals[name] = timing["start_s"], timing["eval_s"]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -148,6 +163,9 @@ class WallClock:
         """A checkpoint was saved; its seconds on this clock."""
         return measured_s
 
+    def started(self, strategy: Strategy) -> None:
+        """A launch's processes are up and its layout built."""
+
     def resized(self, strategy: Strategy) -> None:
         """The job resized in place to `strategy` after the step just charged."""
 
@@ -176,7 +194,16 @@ class VirtualClock(WallClock):
         return seconds
 
     def evaluated(self, strategy: Strategy, tokens: int, seq_len: int) -> None:
-        self.t += FORWARD_SHARE * self.table_s(strategy) * tokens / (strategy.gbs * seq_len)
+        measured = self.spec.evals.get(str(strategy))
+        self.t += (
+            measured
+            if measured is not None
+            else FORWARD_SHARE * self.table_s(strategy) * tokens / (strategy.gbs * seq_len)
+        )
+
+    def started(self, strategy: Strategy) -> None:
+        """A launch's processes are up and its layout built (any checkpoint load is charged apart)."""
+        self.t += self.spec.start_s(strategy)
 
     def saved(self, measured_s: float) -> float:
         self.t += self.spec.checkpoint_s

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from cona_cli.clock import CALIBRATION_STEPS, ClockSpec, VirtualClock, WallClock
+from cona_cli.clock import CALIBRATION_STEPS, TIMING, ClockSpec, VirtualClock, WallClock
 from cona_cli.config import Config, config_from_json
 from cona_cli.gns import NoiseWindow, two_batch_estimate
 from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, RunDir
@@ -173,6 +173,8 @@ class Worker:
         self.last_save_s = 0.0  # how long the last save took: stretches the periodic interval
         self.metrics = open(self.files.metrics, "a") if self.rank == 0 else None
         self.setup_s = 0.0  # process group, model, layout and checkpoint load: set by run()
+        # The launch's start on the host's clock: process start, imports, process group, model and layout.
+        self.start_wall = time.time() - float(os.environ.get("CONA_LAUNCH_START", time.time()))
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -427,27 +429,43 @@ class Worker:
         self.ensure_timed()
         testhooks.maybe_die(self.run_dir, "resize", self.state.step, self.rank)
 
-    def ensure_timed(self) -> None:
-        """Virtual clock with a measured table: a calibration pass of every rank whenever a strategy starts
-        (a launch, a resize); its times go into the table if rank 0's has none for the strategy, and
-        every rank takes rank 0's. The pass runs even when the table has the time, so that every run of a
-        config does the same work (DDP, for one, rebuilds its buckets after the first steps it sees, and
-        a run that skipped the pass would round its gradients differently)."""
+    def ensure_timed(self, starting: bool = False) -> None:
+        """Whenever a strategy starts (`starting`: a launch; else a resize) under the virtual clock with a
+        measured table, a calibration pass of every rank; at a launch, the clock charges its start."""
         clock = self.clock
-        if not isinstance(clock, VirtualClock) or clock.spec.source != "measured":
-            return
-        s, spec = self.strategy, clock.spec
+        if isinstance(clock, VirtualClock) and clock.spec.source == "measured":
+            self._calibrate(clock.spec)
+        if starting:
+            self.clock.started(self.strategy)
+
+    def _calibrate(self, spec: ClockSpec) -> None:
+        """Time the running strategy's steps (and, if rank 0's table has no time for it, one evaluation
+        and this launch's start, recorded in the table and the host's cache); every rank takes rank 0's.
+        The pass runs even when the table has the times, so that every run of a config does the same
+        work (DDP, for one, rebuilds its buckets after the first steps it sees, and a run that skipped
+        the pass would round its gradients differently)."""
+        s = self.strategy
+        need = self._reduce([float(self.rank == 0 and spec.seconds(s) is None)])[0] > 0
         logs = [math.log(t) for t in self._time_steps()]
-        mine = [0.0, 0.0]
+        eval_s = self._time_eval() if need else 0.0
+        mine = [0.0] * 4
         if self.rank == 0:
-            if spec.seconds(s) is None:
-                seconds, spread = math.exp(statistics.median(logs)), statistics.stdev(logs)
-                print(f"cona-worker: clock: {s} measured {seconds:.4f} s/step (log std {spread:.3f})", flush=True)
-                spec.record(s, seconds, spread)
+            if need:
+                timing = [math.exp(statistics.median(logs)), statistics.stdev(logs), self.start_wall, eval_s]
+                spec.record(s, dict(zip(TIMING, timing)))
                 write_clock_spec(self.files, spec)
-            mine = [spec.seconds(s) or 0.0, spec.spreads.get(str(s), 0.0)]
-        seconds, spread = self._reduce(mine)
-        spec.table[str(s)], spec.spreads[str(s)] = seconds, spread
+                measured = ", ".join(f"{k} {v:.4g}" for k, v in zip(TIMING, timing))
+                print(f"cona-worker: clock: {s} measured {measured}", flush=True)
+            mine = [spec.table[str(s)], spec.spreads[str(s)], spec.start_s(s), spec.evals[str(s)]]
+        spec.take(s, dict(zip(TIMING, self._reduce(mine))))
+
+    def _time_eval(self) -> float:
+        """Seconds of one evaluation under the running strategy (its batches built first)."""
+        if not self.eval_set:  # (builds the batches first: the timing is of the evaluation alone)
+            return 0.0
+        t0 = time.perf_counter()
+        self.evaluate()
+        return time.perf_counter() - t0
 
     def _time_steps(self) -> list[float]:
         """Seconds of `CALIBRATION_STEPS` training steps of the running strategy on the next batch (the
@@ -613,7 +631,7 @@ class Worker:
                     "prepared": self.prepared,
                 }
             )
-        self.ensure_timed()
+        self.ensure_timed(starting=True)
         if fresh and (t.eval_interval or t.eval_interval_s):
             self.run_eval()
         reason = self.stop_reason(st.best_val_ppl)  # a resumed run may already be done
@@ -682,11 +700,11 @@ class Worker:
 
 def make_clock(cfg: Config, files: RunDir, run_start: float) -> WallClock:
     """The run's clock: the host's, or the virtual clock of the run folder's table, starting where the
-    controller says this launch's first step begins (`CONA_CLOCK_START`)."""
+    controller says this launch begins (`CONA_CLOCK_START`)."""
     if cfg.train.clock == "wall":
         return WallClock(run_start)
     spec = ClockSpec.from_json(files.clock.read_text())
-    return VirtualClock(spec, float(os.environ.get("CONA_CLOCK_START", spec.relaunch_s)))
+    return VirtualClock(spec, float(os.environ.get("CONA_CLOCK_START", 0.0)))
 
 
 def write_clock_spec(files: RunDir, spec: ClockSpec) -> None:

@@ -42,7 +42,8 @@ def _spec(**kw: object) -> ClockSpec:
 
 
 def test_each_charge_is_the_tables() -> None:
-    clock = VirtualClock(_spec(table={str(S8): 0.2}, by_gbs={16: 0.3}), start=5.0)
+    clock = VirtualClock(_spec(table={str(S8): 0.2}, by_gbs={16: 0.3}), start=0.0)
+    clock.started(S8)  # a table that does not measure starts: relaunch_s
     assert clock.now() == 5.0
     assert clock.step(S8, 1, measured_s=9.9) == pytest.approx(0.2)  # the host's time is not used
     clock.evaluated(S8, tokens=4096, seq_len=64)  # 4096 tokens = 8 steps' worth at gbs 8, forward only
@@ -92,9 +93,13 @@ def test_a_mapping_by_strategy_or_batch(tmp_path: Path) -> None:
 def test_a_measured_table_reads_the_hosts_cache(tmp_path: Path) -> None:
     spec = clock_spec(_cfg(), RunDir(tmp_path), [S8])
     assert spec.source == "measured" and spec.table == {}
-    spec.record(S8, 0.25, 0.04)
+    spec.record(S8, {"seconds": 0.25, "spread": 0.04, "start_s": 9.0, "eval_s": 1.5})
     again = clock_spec(_cfg(), RunDir(tmp_path), [S8])
     assert again.cache == spec.cache and again.seconds(S8) == 0.25 and again.sigma(S8) == 0.04
+    clock = VirtualClock(again, start=0.0)
+    clock.started(S8)
+    clock.evaluated(S8, tokens=4096, seq_len=64)  # as measured, not modelled
+    assert clock.now() == pytest.approx(9.0 + 1.5)
     other = clock_spec(
         config_from_dict({**TINY, "train": {**TINY["train"], "clock": "virtual", "seed": 8}}), RunDir(tmp_path), [S8]
     )

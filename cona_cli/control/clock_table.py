@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from cona_cli.clock import ClockSpec, checkpoint_seconds, measured_cache, read_cache
+from cona_cli.clock import TIMING, ClockSpec, checkpoint_seconds, measured_cache, read_cache
 from cona_cli.config import Config, ConfigError
 from cona_cli.planner.workload import Workload
 from cona_cli.rundir import RunDir
@@ -73,7 +73,8 @@ def clock_spec(cfg: Config, files: RunDir, strategies: list[Strategy]) -> ClockS
         path = measured_cache(key, cache_root())
         spec.cache = str(path)
         for name, entry in read_cache(path).items():
-            spec.table[name], spec.spreads[name] = float(entry["seconds"]), float(entry["spread"])
+            if set(TIMING) <= set(entry):
+                spec.take(Strategy.parse(name), {k: float(v) for k, v in entry.items()})
         return spec
     else:
         spec.table = _modelled(cfg, table, workload, strategies)

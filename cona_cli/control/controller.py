@@ -265,12 +265,12 @@ class Controller:
         return self.state.clock_s if self.clock is not None else time.time() - self.run_start
 
     def _clock_start(self, resume: Path | None) -> dict[str, str]:
-        """Under the virtual clock, where this launch's first step begins: after the run time reported so
-        far, the launch's start and, from a checkpoint, its load."""
+        """Under the virtual clock, where this launch begins: after the run time reported so far and, from
+        a checkpoint, its load (the workers add their start); and when it was started, on the host's clock."""
         if self.clock is None:
             return {}
-        start = self.state.clock_s + self.clock.relaunch_s + (self.clock.checkpoint_s if resume else 0.0)
-        return {"CONA_CLOCK_START": repr(start)}
+        start = self.state.clock_s + (self.clock.checkpoint_s if resume else 0.0)
+        return {"CONA_CLOCK_START": repr(start), "CONA_LAUNCH_START": repr(time.time())}
 
     def _log_path(self, agent: Agent, per_node: bool) -> Path:
         return self.files.launch_log(self.launch, agent.label if per_node else None)
