@@ -17,6 +17,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from cona_cli import pretrained
 from cona_cli.cluster.slurm import SlurmError, allocation_hosts
 from cona_cli.strategy import Strategy, StrategyError, divisibility_problems
 
@@ -59,6 +60,15 @@ def _clock_table(v: Any) -> str | None:
     return None if v else "must not be empty"
 
 
+WANDB_KEYS = ("project", "name", "mode")
+
+
+def _wandb(v: dict[str, str]) -> str | None:
+    if set(v) - set(WANDB_KEYS) or v.get("mode", "online") not in ("online", "offline", "disabled"):
+        return "must be a mapping of project, name, mode (online, offline or disabled)"
+    return None
+
+
 def _f(default: Any = dataclasses.MISSING, check: Check | None = None) -> Any:
     return field(default=default, metadata={"check": check})
 
@@ -72,7 +82,9 @@ MODEL_FAMILIES = ("gpt", "llama", "bert")  # the families of `launch.models` (a 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A transformer of one of the registered families (`launch.models`)."""
+    """A transformer of one of the registered families (`launch.models`). With `init_from`, a pretrained
+    model folder gives the shape fields it leaves out (a field it states must agree) and the first
+    launch's weights (`cona_cli.pretrained`)."""
 
     n_layers: int = _f(check=_positive)  # transformer blocks
     d_model: int = _f(check=_positive)  # hidden size
@@ -83,6 +95,10 @@ class ModelConfig:
     n_kv_heads: int | None = _f(None, _positive)  # grouped-query attention (llama)
     dropout: float = _f(0.0, _fraction)  # dropout probability
     rope_theta: float = _f(500000.0, _positive)  # RoPE base (llama; Llama 3's default)
+    # A Hugging Face model folder (GPT-2, Llama, BERT: config.json and safetensors) or a `cona export` folder:
+    # its config gives the fields above that are left out, its weights start the run (a resumed launch
+    # loads its checkpoint instead), its tokenizer.json becomes data.tokenizer unless that is given
+    init_from: str | None = _f(None, lambda v: None if v else "must not be empty")
 
     @property
     def kv_heads(self) -> int:
@@ -289,6 +305,10 @@ class TrainConfig:
     dp_impl: str = _f("ddp", _one_of("ddp", "fsdp"))  # data parallelism: DDP or FSDP (sharded)
     pp_schedule: str = _f("1f1b", _one_of("1f1b", "gpipe"))  # pipeline schedule
     tensorboard: bool = _f(False)  # step, eval and decision metrics as TensorBoard event files too
+    # the same metrics to Weights & Biases: {project, name, mode}, each optional (project: $WANDB_PROJECT or
+    # W&B's default; name: the run folder's; mode: online, offline or disabled, default $WANDB_MODE or online);
+    # W&B's files go to $WANDB_DIR, else the run folder
+    wandb: dict[str, str] | None = _f(None, _wandb)
     # Run time: wall (the host's) or virtual (real training; each step charged its time from clock_table,
     # so runs do not depend on the host's load: `cona_cli.clock`)
     clock: str = _f("wall", _one_of("wall", "virtual"))
@@ -424,7 +444,7 @@ def _build_section(cls: type, raw: Any, name: str) -> Any:
     for fname, f in known.items():
         if fname not in raw:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{name}.{fname}: required")
+                raise ConfigError(f"{name}.{fname}: required" + (" (or model.init_from)" if cls is ModelConfig else ""))
             continue
         value = raw[fname]
         if hints[fname] is float and isinstance(value, int) and not isinstance(value, bool):
@@ -478,8 +498,9 @@ def parse_chain(raw: Any, where: str = "chain") -> tuple[ChainStage, ...]:
     return tuple(stages)
 
 
-def config_from_dict(raw: Any, source: str = "<config>") -> Config:
-    """Validate a parsed YAML document; errors name the key (without the file)."""
+def config_from_dict(raw: Any, source: str = "<config>", read_init_from: bool = True) -> Config:
+    """Validate a parsed YAML document; errors name the key (without the file). `read_init_from`: fill in
+    and check the fields `model.init_from`'s folder gives (a resolved config already states them all)."""
     if not isinstance(raw, dict):
         raise ConfigError("top level: must be a mapping with model, data, cluster, train sections")
     for key in raw:
@@ -487,6 +508,11 @@ def config_from_dict(raw: Any, source: str = "<config>") -> Config:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(_TOP_KEYS))})")
     if "model" not in raw:
         raise ConfigError("model: required")
+    if read_init_from and isinstance(raw["model"], dict) and isinstance(raw["model"].get("init_from"), str):
+        try:
+            raw = pretrained.resolve(raw)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     sections = {
         name: _build_cluster(raw.get(name)) if cls is ClusterConfig else _build_section(cls, raw.get(name), name)
         for name, cls in _SECTIONS.items()
@@ -606,5 +632,6 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
 
 
 def config_from_json(text: str, source: str) -> Config:
-    """Rebuild a Config from `json.dumps(cfg.to_raw())` (what the workers receive)."""
-    return config_from_dict(json.loads(text), source)
+    """Rebuild a Config from `json.dumps(cfg.to_raw())` (what the workers receive; `model.init_from`'s
+    folder is not read again: a resumed run does not need it)."""
+    return config_from_dict(json.loads(text), source, read_init_from=False)

@@ -99,6 +99,11 @@ class RunDir:
         return self.path / "tensorboard"
 
     @property
+    def wandb_run_id(self) -> Path:
+        """The W&B run's id (`train.wandb`), so a `--resume` continues that run, by the controller."""
+        return self.path / "wandb_run_id"
+
+    @property
     def memory_estimate_file(self) -> Path:
         """The planner's peak-memory estimate (bytes per device) of each strategy launched, by the controller."""
         return self.path / "memory_estimates.json"

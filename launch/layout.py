@@ -27,12 +27,14 @@ class Layout:
     prepared: bool = False  # built ahead of the launch, its optimizer state ready for a checkpoint
 
 
-def build_layout(cfg: Config, strategy: Strategy, device: torch.device, vocab: int) -> Layout:
-    """Collective: mesh, seeded model, `parallelize` and AdamW for `strategy`."""
+def build_layout(cfg: Config, strategy: Strategy, device: torch.device, vocab: int, fresh: bool = True) -> Layout:
+    """Collective: mesh, model, `parallelize` and AdamW for `strategy`. The model is seeded, or for a
+    `fresh` start with `model.init_from` the pretrained one (a launch that loads a checkpoint over it
+    may pass fresh=False to skip reading the folder)."""
     t, search = cfg.train, cfg.search
     spec = get_spec(cfg.model.family)
     mesh = build_mesh(strategy, device.type)
-    whole = build_unallocated(spec, cfg.model, vocab, t.seed)
+    whole = build_unallocated(spec, cfg.model, vocab, t.seed, pretrained=fresh and cfg.model.init_from is not None)
     pm = parallelize(
         whole.model,
         mesh,
@@ -52,7 +54,7 @@ def build_layout(cfg: Config, strategy: Strategy, device: torch.device, vocab: i
 def prepare_layout(cfg: Config, strategy: Strategy, device: torch.device, vocab: int) -> Layout:
     """Collective: `build_layout`, plus the optimizer state a checkpoint load fills (built by a step
     that changes nothing). Only for a launch that loads a checkpoint: a fresh one starts without state."""
-    layout = build_layout(cfg, strategy, device, vocab)
+    layout = build_layout(cfg, strategy, device, vocab, fresh=False)
     checkpoint.init_optimizer_state(layout.pm.model, layout.opt)
     layout.prepared = True
     return layout

@@ -7,8 +7,9 @@ host. `parallelize` splits it into pipeline stages and shards it (TP, FSDP) on m
 `materialise`: `to_empty` allocates the rank's pieces on its device (and re-links FSDP's sharded
 parameters), the buffers get their values back, and the family's seeded init draws every whole parameter
 of the model on the host, one at a time and in the same order under every layout, of which each rank
-keeps its own slice (`copy_values`). A rank's peak while it starts is thus its pieces plus one whole
-parameter, not its stage unsharded.
+keeps its own slice (`copy_values`); with `model.init_from`, each value is read from the pretrained
+model's folder instead (`launch.pretrained`). A rank's peak while it starts is thus its pieces plus one
+whole parameter, not its stage unsharded.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 from cona_cli.config import ModelConfig
 from launch.models.common import copy_values
 from launch.models.spec import ModelSpec
+from launch.pretrained import pretrained_values
 
 META = torch.device("meta")
 
@@ -61,11 +63,13 @@ class Unallocated:
         copy_values(model, self.values)
 
 
-def build_unallocated(spec: ModelSpec, m: ModelConfig, vocab: int, seed: int) -> Unallocated:
-    """The seeded model of `spec`, nothing allocated but its buffers."""
+def build_unallocated(spec: ModelSpec, m: ModelConfig, vocab: int, seed: int, pretrained: bool = False) -> Unallocated:
+    """The seeded model of `spec`, nothing allocated but its buffers; `pretrained`: its values are
+    `m.init_from`'s weights instead (`launch.pretrained`)."""
     with _parameters_on_meta():
         model = spec.build(m, vocab)
-    return Unallocated(model, model.init_values(seed), {n: b.clone() for n, b in model.named_buffers()})
+    values = pretrained_values(m.init_from, spec, m, vocab, model) if pretrained else model.init_values(seed)
+    return Unallocated(model, values, {n: b.clone() for n, b in model.named_buffers()})
 
 
 def build_model(spec: ModelSpec, m: ModelConfig, vocab: int, seed: int, device: torch.device) -> nn.Module:

@@ -11,7 +11,14 @@ from tests.support import REPO
 
 PACKAGES = ("cona_cli", "launch")
 # What torchrun's workers (package `launch`) may import from the controller side.
-SHARED_WITH_WORKERS = {"cona_cli.config", "cona_cli.strategy", "cona_cli.gns", "cona_cli.rundir", "cona_cli.clock"}
+SHARED_WITH_WORKERS = {
+    "cona_cli.config",
+    "cona_cli.strategy",
+    "cona_cli.gns",
+    "cona_cli.rundir",
+    "cona_cli.clock",
+    "cona_cli.pretrained",
+}
 
 
 def _modules() -> dict[str, Path]:

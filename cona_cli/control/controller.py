@@ -32,12 +32,12 @@ from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.clock_table import clock_spec, describe
 from cona_cli.control.failures import parse_failure
 from cona_cli.control.jobs import EventLog, JobStarter, record_memory_estimate, worker_args
+from cona_cli.control.metric_sinks import open_sinks
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.recovery import LaunchResult, NoUsableCheckpoint, Recovery, Stop
 from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict
 from cona_cli.control.standby import StandbyPool
 from cona_cli.control.telemetry_server import TelemetryServer
-from cona_cli.control.tensorboard_log import TensorBoardLog
 from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy, resizable
 
@@ -67,8 +67,8 @@ class Controller:
         self.state = resume or RunState()
         self.run_start = time.time() - self.state.elapsed_s  # run time continues, the stopped gap excluded
         self.clock = self._clock_spec()
-        self.tensorboard = TensorBoardLog(self.files.tensorboard) if cfg.train.tensorboard else None
-        self.events = EventLog(self.files.events, self.run_start, self.tensorboard.event if self.tensorboard else None)
+        self.sinks = open_sinks(cfg, self.files)  # TensorBoard, W&B
+        self.events = EventLog(self.files.events, self.run_start, self.sinks.event)
         self.nodes = resolve_nodes(cfg.cluster)
         self.multi_node = is_multi_node(cfg.cluster)
         self.launcher = make_launcher(cfg.cluster)
@@ -144,8 +144,7 @@ class Controller:
             self.standbys.drop()
             self._reap_exiting()
             self.telemetry.close()
-            if self.tensorboard is not None:
-                self.tensorboard.close()
+            self.sinks.close()
 
     def _run(self, progress: Progress) -> int:
         ckpt: Path | None = None
@@ -434,8 +433,8 @@ class Controller:
         kind = msg.get("type")
         stage = self.stage
         assert stage is not None
-        if kind == "metric" and self.tensorboard is not None:
-            self.tensorboard.metric(msg)
+        if kind == "metric":
+            self.sinks.metric(msg)
         if kind == "ready" and msg.get("launch") == self.launch:
             self._switch.update(
                 ready=float(msg["time"]), load_s=float(msg.get("setup_s", 0.0)), prepared=bool(msg.get("prepared"))

@@ -2,10 +2,10 @@
 
 In order: the policy and its first strategy (`make_policy`), the nodes as the controller resolves them (a
 GPU per rank under a local GPU backend, the Slurm allocation and its node count, an address to listen on),
-the run folder, the tokenizer (loaded as preparation loads it, a hub name from the local Hugging Face
-cache, and tried on a text), and the data (every file opened, enough validation tokens for one
-evaluation). Each refusal is a ConfigError of one line naming the key or file; nothing is written or
-started.
+the run folder, the packages of the metric sinks asked for (TensorBoard, W&B), the tokenizer (loaded as
+preparation loads it, a hub name from the local Hugging Face cache, and tried on a text), and the data
+(every file opened, enough validation tokens for one evaluation). Each refusal is a ConfigError of one
+line naming the key or file; nothing is written or started.
 
 The corpus is not prepared here, so its validation tokens are counted up to what one evaluation needs:
 with the run's tokenizer, or in bytes where a BPE is yet to be trained on the corpus (a byte-level BPE
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from cona_cli.cluster.nodes import free_port, head_address, resolve_nodes
 from cona_cli.cluster.slurm import SlurmError
 from cona_cli.config import Config, ConfigError
+from cona_cli.control.metric_sinks import check_installed
 from cona_cli.control.policies import Policy
 from cona_cli.control.run_setup import check_eval_tokens, check_run_dir, eval_tokens_needed, make_policy
 from cona_cli.rundir import RunDir
@@ -49,6 +50,7 @@ def preflight(cfg: Config, run_dir: Path) -> Checked:
     check_clock(cfg, policy, run_dir)
     check_nodes(cfg)
     check_run_dir(run_dir)
+    check_installed(cfg.train)
     tok, where = load_tokenizer(cfg)
     return Checked(cfg, policy, f"{check_data(cfg, tok)}, tokenizer {where}")
 

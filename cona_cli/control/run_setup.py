@@ -178,7 +178,21 @@ def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
     except DataError as e:
         raise ConfigError(str(e)) from None
     check_eval_tokens(cfg, corpus.n_valid_tokens)
+    check_init_from(cfg, corpus.vocab_size)
     run.corpus.write_text(corpus.to_json())
+
+
+def check_init_from(cfg: Config, vocab: int) -> None:
+    """`model.init_from`'s folder holds every weight of the model, fitting a tokenizer of `vocab` ids
+    (reads the folder's index, no weights; imports torch)."""
+    if cfg.model.init_from is None:
+        return
+    from launch.pretrained import PretrainedError, check_pretrained
+
+    try:
+        check_pretrained(cfg.model, vocab)
+    except PretrainedError as e:
+        raise ConfigError(str(e)) from None
 
 
 def default_run_dir(config: Path) -> Path:

@@ -2,11 +2,13 @@
 
 The controller sees every step and eval row the workers stream and writes every event, so one writer
 in the controller covers all launches of a run (a `--resume` adds a new event file to the folder).
-Uses the `tensorboard` package's numpy-only writer, imported only when the key is on.
+Uses the `tensorboard` package's numpy-only writer, imported only when the key is on. The tags of a row
+or an event (`row_scalars`, `event_scalars`) are every metric sink's (`cona_cli.control.metric_sinks`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,26 @@ STEP_TAGS = {
 EVAL_TAGS = {"val_loss": "eval/val_loss", "val_ppl": "eval/val_ppl"}
 EVENT_KINDS = ("decision", "switch")  # events.jsonl kinds whose numbers become `<kind>/<field>` at their step
 _NOT_VALUES = ("step", "time", "wall_clock")
+MISSING = "train.{key}: needs the {key} package (pip install 'cona[{key}]')"  # a sink's package not installed
+
+
+def _scalars(pairs: Iterable[tuple[str, Any]]) -> dict[str, float]:
+    # None (no estimate yet) and text are skipped; a bool counts as 0/1
+    return {tag: float(value) for tag, value in pairs if isinstance(value, (int, float))}
+
+
+def row_scalars(row: dict[str, Any]) -> dict[str, float]:
+    """A step or eval row of metrics.jsonl as {tag: value} (at the row's `step`)."""
+    tags = {"step": STEP_TAGS, "eval": EVAL_TAGS}.get(row.get("kind"), {})
+    return _scalars((tag, row.get(field)) for field, tag in tags.items())
+
+
+def event_scalars(event: dict[str, Any]) -> dict[str, float]:
+    """An events.jsonl event as {tag: value}: a decision's Φ values, ratio, GNS and times; a switch's cost
+    (empty for other kinds, and for events without a step)."""
+    if event.get("kind") not in EVENT_KINDS or "step" not in event:
+        return {}
+    return _scalars((f"{event['kind']}/{k}", v) for k, v in event.items() if k not in _NOT_VALUES)
 
 
 class TensorBoardLog:
@@ -40,26 +62,21 @@ class TensorBoardLog:
         try:
             from tensorboard.summary import Writer
         except ImportError:
-            raise ConfigError("train.tensorboard: needs the tensorboard package (pip install tensorboard)") from None
+            raise ConfigError(MISSING.format(key="tensorboard")) from None
         path.mkdir(parents=True, exist_ok=True)
         self.writer = Writer(str(path))
 
-    def _add(self, tag: str, value: Any, row: dict[str, Any]) -> None:
-        if isinstance(value, (int, float)):  # None (no estimate yet) is skipped; a bool counts as 0/1
-            self.writer.add_scalar(tag, float(value), int(row["step"]), wall_time=row.get("wall_clock"))
+    def _write(self, scalars: dict[str, float], row: dict[str, Any]) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, int(row["step"]), wall_time=row.get("wall_clock"))
 
     def metric(self, row: dict[str, Any]) -> None:
         """A step or eval row of metrics.jsonl."""
-        tags = {"step": STEP_TAGS, "eval": EVAL_TAGS}.get(row.get("kind"), {})
-        for field, tag in tags.items():
-            self._add(tag, row.get(field), row)
+        self._write(row_scalars(row), row)
 
     def event(self, event: dict[str, Any]) -> None:
-        """An events.jsonl event: a decision's Φ values, ratio, GNS and times; a switch's cost."""
-        if event.get("kind") in EVENT_KINDS and "step" in event:
-            for field, value in event.items():
-                if field not in _NOT_VALUES:
-                    self._add(f"{event['kind']}/{field}", value, event)
+        """An events.jsonl event (`event_scalars`)."""
+        self._write(event_scalars(event), event)
 
     def close(self) -> None:
         self.writer.close()

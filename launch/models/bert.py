@@ -34,7 +34,7 @@ from launch.models.common import (
     tied_head_style,
 )
 from launch.models.shape import bert_shape
-from launch.models.spec import IGNORE_INDEX, Batch, BatchFn, HFExport, ModelSpec
+from launch.models.spec import IGNORE_INDEX, Batch, BatchFn, HFExport, HFSource, ModelSpec
 
 NORM_EPS = 1e-12
 MASK_RATE = 0.15
@@ -207,23 +207,35 @@ _LAYER_NAMES = {
 }
 
 
+_END_NAMES = {
+    "tok_embeddings.weight": "bert.embeddings.word_embeddings.weight",
+    "pos_embeddings.weight": "bert.embeddings.position_embeddings.weight",
+    "type_embeddings.weight": "bert.embeddings.token_type_embeddings.weight",
+    "emb_norm.weight": "bert.embeddings.LayerNorm.weight",
+    "emb_norm.bias": "bert.embeddings.LayerNorm.bias",
+    "head.dense.weight": "cls.predictions.transform.dense.weight",
+    "head.dense.bias": "cls.predictions.transform.dense.bias",
+    "head.norm.weight": "cls.predictions.transform.LayerNorm.weight",
+    "head.norm.bias": "cls.predictions.transform.LayerNorm.bias",
+    "head.bias": "cls.predictions.bias",
+}
+
+
 def hf_tensors(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {
-        "bert.embeddings.word_embeddings.weight": sd["tok_embeddings.weight"],
-        "bert.embeddings.position_embeddings.weight": sd["pos_embeddings.weight"],
-        "bert.embeddings.token_type_embeddings.weight": sd["type_embeddings.weight"],
-        "bert.embeddings.LayerNorm.weight": sd["emb_norm.weight"],
-        "bert.embeddings.LayerNorm.bias": sd["emb_norm.bias"],
-        "cls.predictions.transform.dense.weight": sd["head.dense.weight"],
-        "cls.predictions.transform.dense.bias": sd["head.dense.bias"],
-        "cls.predictions.transform.LayerNorm.weight": sd["head.norm.weight"],
-        "cls.predictions.transform.LayerNorm.bias": sd["head.norm.bias"],
-        "cls.predictions.bias": sd["head.bias"],
-    }
+    out = {hf: sd[ours] for ours, hf in _END_NAMES.items()}
     for i in range(m.n_layers):
         for ours, hf in _LAYER_NAMES.items():
             for p in ("weight", "bias"):
                 out[f"bert.encoder.layer.{i}.{hf}.{p}"] = sd[f"layers.{i}.{ours}.{p}"]
+    return out
+
+
+def hf_sources(m: ModelConfig) -> dict[str, HFSource]:
+    """The inverse of `hf_tensors` (names only)."""
+    out: dict[str, HFSource] = {ours: (hf, None) for ours, hf in _END_NAMES.items()}
+    for i in range(m.n_layers):
+        for ours, hf in _LAYER_NAMES.items():
+            out |= {f"layers.{i}.{ours}.{p}": (f"bert.encoder.layer.{i}.{hf}.{p}", None) for p in ("weight", "bias")}
     return out
 
 
@@ -235,7 +247,7 @@ SPEC = ModelSpec(
     loss=functools.partial(lm_loss, target_fraction=MASK_RATE),
     batch=mlm_batch,
     shape=bert_shape,
-    hf=HFExport("BertForMaskedLM", hf_config, hf_tensors),
+    hf=HFExport("BertForMaskedLM", hf_config, hf_tensors, hf_sources),
     target_fraction=MASK_RATE,
     tied=("tok_embeddings.weight",),
     vocab_params=("tok_embeddings.weight", "head.bias"),

@@ -10,6 +10,7 @@ projections (column-parallel under TP); the export concatenates them into GPT-2'
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +31,7 @@ from launch.models.common import (
     tied_head_style,
 )
 from launch.models.shape import gpt_shape
-from launch.models.spec import HFExport, ModelSpec, causal_lm_batch
+from launch.models.spec import HFExport, HFSource, ModelSpec, causal_lm_batch
 
 NORM_EPS = 1e-5
 
@@ -177,6 +178,40 @@ def hf_tensors(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
     return out
 
 
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    return w.t()
+
+
+def _qkv_part(i: int, w: torch.Tensor) -> torch.Tensor:
+    """q, k or v (i = 0, 1, 2) of GPT-2's fused c_attn: its Conv1D weight [in, 3 d_model] or its bias."""
+    return (w.t() if w.dim() == 2 else w).chunk(3)[i]
+
+
+def hf_sources(m: ModelConfig) -> dict[str, HFSource]:
+    """The inverse of `hf_tensors`: Conv1D weights transposed back, c_attn split into q, k and v."""
+    out: dict[str, HFSource] = {
+        "tok_embeddings.weight": ("transformer.wte.weight", None),
+        "pos_embeddings.weight": ("transformer.wpe.weight", None),
+        "norm.weight": ("transformer.ln_f.weight", None),
+        "norm.bias": ("transformer.ln_f.bias", None),
+    }
+    for i in range(m.n_layers):
+        ours, hf = f"layers.{i}.", f"transformer.h.{i}."
+        for j, w in enumerate(("wq", "wk", "wv")):
+            for p in ("weight", "bias"):
+                out[f"{ours}attention.{w}.{p}"] = (f"{hf}attn.c_attn.{p}", functools.partial(_qkv_part, j))
+        for name, conv in (
+            ("attention.wo", "attn.c_proj"),
+            ("feed_forward.w1", "mlp.c_fc"),
+            ("feed_forward.w2", "mlp.c_proj"),
+        ):
+            out[f"{ours}{name}.weight"] = (f"{hf}{conv}.weight", _transposed)
+            out[f"{ours}{name}.bias"] = (f"{hf}{conv}.bias", None)
+        for name, norm in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
+            out |= {f"{ours}{name}.{p}": (f"{hf}{norm}.{p}", None) for p in ("weight", "bias")}
+    return out
+
+
 SPEC = ModelSpec(
     family="gpt",
     build=GPT,
@@ -185,7 +220,7 @@ SPEC = ModelSpec(
     loss=lm_loss,
     batch=causal_lm_batch,
     shape=gpt_shape,
-    hf=HFExport("GPT2LMHeadModel", hf_config, hf_tensors),
+    hf=HFExport("GPT2LMHeadModel", hf_config, hf_tensors, hf_sources),
     tied=("tok_embeddings.weight",),
     vocab_params=("tok_embeddings.weight",),
 )

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from cona_cli.config import ModelConfig
 from launch.models.common import block_tp_plan, copy_values, keep_stage, lm_loss, normal_init_values
 from launch.models.shape import llama_shape
-from launch.models.spec import HFExport, ModelSpec, causal_lm_batch
+from launch.models.spec import HFExport, HFSource, ModelSpec, causal_lm_batch
 
 NORM_EPS = 1e-5
 
@@ -176,14 +176,25 @@ _LAYER_NAMES = {
 }
 
 
+_END_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
 def hf_tensors(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {
-        "model.embed_tokens.weight": sd["tok_embeddings.weight"],
-        "model.norm.weight": sd["norm.weight"],
-        "lm_head.weight": sd["output.weight"],
-    }
+    out = {hf: sd[ours] for ours, hf in _END_NAMES.items()}
     for i in range(m.n_layers):
         out |= {f"model.layers.{i}.{hf}": sd[f"layers.{i}.{ours}"] for ours, hf in _LAYER_NAMES.items()}
+    return out
+
+
+def hf_sources(m: ModelConfig) -> dict[str, HFSource]:
+    """The inverse of `hf_tensors` (names only)."""
+    out: dict[str, HFSource] = {ours: (hf, None) for ours, hf in _END_NAMES.items()}
+    for i in range(m.n_layers):
+        out |= {f"layers.{i}.{ours}": (f"model.layers.{i}.{hf}", None) for ours, hf in _LAYER_NAMES.items()}
     return out
 
 
@@ -195,6 +206,6 @@ SPEC = ModelSpec(
     loss=lm_loss,
     batch=causal_lm_batch,
     shape=llama_shape,
-    hf=HFExport("LlamaForCausalLM", hf_config, hf_tensors),
+    hf=HFExport("LlamaForCausalLM", hf_config, hf_tensors, hf_sources),
     vocab_params=("tok_embeddings.weight", "output.weight"),
 )

@@ -39,9 +39,15 @@ def causal_lm_batch(vocab_size: int) -> BatchFn:
     return next_token_batch
 
 
+HFSource = tuple[str, "Callable[[torch.Tensor], torch.Tensor] | None"]
+"""Where a parameter's value is in a Hugging Face checkpoint: the tensor's name, and what makes the value
+from it (None: the tensor as it is)."""
+
+
 @dataclass(frozen=True)
 class HFExport:
-    """How a family maps onto a Hugging Face `transformers` model (for `cona export --format hf`)."""
+    """How a family maps onto a Hugging Face `transformers` model (`cona export --format hf`) and back
+    (`model.init_from`)."""
 
     architecture: str
     """The transformers class, e.g. GPT2LMHeadModel."""
@@ -49,6 +55,8 @@ class HFExport:
     """config.json for a model config and vocabulary size (tokenizer ids are added by the exporter)."""
     tensors: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     """A consolidated state dict in cona's names (no `model.` prefix) -> tensors in the HF model's names."""
+    sources: Callable[[ModelConfig], dict[str, HFSource]]
+    """The inverse of `tensors`: each parameter of the whole model (cona's name) -> its `HFSource`."""
 
 
 @dataclass(frozen=True)
