@@ -213,6 +213,7 @@ def test_sbatch_script(tmp_path: Path) -> None:
     for line in (
         "#SBATCH --nodes=2",
         "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --open-mode=append",
         f"#SBATCH --output={run}/slurm-%j.out",
         "#SBATCH --time=24:00:00",
         "#SBATCH --gpus-per-node=8",

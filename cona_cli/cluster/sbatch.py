@@ -31,6 +31,7 @@ def sbatch_script(cfg: Config, train_argv: list[str], run_dir: Path, workdir: Pa
         f"#SBATCH --nodes={c.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --output={run_dir.absolute()}/slurm-%j.out",
+        "#SBATCH --open-mode=append",  # a requeued job (same id) adds to its log instead of truncating it
         f"#SBATCH --signal=B:USR1@{c.requeue_signal_s}",
         "#SBATCH --requeue",
     ]
