@@ -18,10 +18,12 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-# The embedded default: a tiny GPT on a generated corpus, 4 gloo ranks, a 3-stage chain.
+# The embedded default: a tiny GPT on a generated corpus, 4 gloo ranks, policy cona deciding online (a
+# line per decision and switch), then the report with its timeline. A hand-written chain to replay:
+# cona train configs/tiny.yaml --chain configs/tiny-chain.yaml.
 demo: setup
 	rm -rf runs/demo
-	$(BIN)/cona train configs/tiny.yaml --chain configs/tiny-chain.yaml --run-dir runs/demo
+	$(BIN)/cona train configs/tiny.yaml --run-dir runs/demo
 	$(BIN)/cona report runs/demo
 
 # The ssh launcher's tests talk to a real sshd on loopback: as root, install Debian's openssh-server
