@@ -7,6 +7,8 @@ last) is named here too; what reads and writes the DCP shards lives in `launch.c
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
 from dataclasses import dataclass
@@ -17,6 +19,9 @@ MARKER = "COMMITTED"  # written last into a checkpoint folder: the checkpoint is
 TRAINER_STATE = "trainer.json"  # step, consumed samples, strategy, schedule and statistics state
 BAD_CHECKPOINT_EXIT = 3  # a worker that cannot load its checkpoint exits with this code
 OUT_OF_MEMORY_EXIT = 4  # a worker that ran out of device (or host) memory exits with this code
+# A rank that SIGTERM stopped (after it checkpointed with the others) exits with this code: it cannot tell
+# its agent's stop from a stray signal, and an agent that is not stopping must see the launch fail.
+SIGNALLED_EXIT = 143
 PEER_LOST = (  # a rank's error when another rank died: gloo's and the TCP store's words, then NCCL's
     "Connection reset by peer",
     "Connection closed by peer",
@@ -148,6 +153,12 @@ class RunDir:
     def vocab_size(self) -> int:
         """The vocabulary of the prepared corpus."""
         return int(json.loads(self.corpus.read_text())["vocab_size"])
+
+
+def handover_seal(token: str, launch: int) -> str:
+    """What a hand-over to launch `launch` carries to show it comes from the controller that started the
+    standby (an HMAC under that controller's telemetry token, which no file holds)."""
+    return hmac.new(token.encode(), f"handover {launch}".encode(), hashlib.sha256).hexdigest()
 
 
 def step_dir(root: Path, step: int) -> Path:

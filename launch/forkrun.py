@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from torch.distributed import run as torchrun
 from torch.distributed.launcher.api import elastic_launch
 
-from cona_cli.rundir import PEER_LOST
+from cona_cli.rundir import PEER_LOST, SIGNALLED_EXIT
 
 FALLBACK_MASTER_PORT = 29500  # what torchrun sets when none is given (unused by the c10d rendezvous)
 # Forked ranks are watched as one group that reports only the first failure it sees: a rank that
@@ -73,7 +73,10 @@ def run_module(module: str, *args: str) -> None:
     Once `main` returns, torchrun's wrapper waits for the agent to read the rank's return value. An agent
     that is gone, or that is stopping its job with SIGTERM, never reads it, so such a rank (checkpointed,
     done) would linger until the agent's 30 s close timeout kills it, or for ever. It leaves at once
-    instead: when its fork server is gone, or when MODULE says a signal stopped it (`signalled`)."""
+    instead: when its fork server is gone, or when MODULE says a signal stopped it (`signalled`), then with
+    `SIGNALLED_EXIT`: a SIGTERM that came to this rank alone, its agent not stopping, fails the launch
+    (which the controller recovers from) instead of leaving the agent to wait for this rank for ever. A
+    rank that returns takes SIGTERM's default back, so a stopping agent's signal ends it while it waits."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores SIGTERM; a rank does not
     if _server_pid is not None:
         die_with_parent(signal.SIGTERM, _server_pid)
@@ -88,7 +91,10 @@ def run_module(module: str, *args: str) -> None:
         if any(k in str(e) for k in PEER_LOST):
             time.sleep(PEER_LOST_DELAY_S)
         raise
-    if _orphaned() or getattr(mod, "signalled", False):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # main is done: nothing is left to checkpoint
+    if getattr(mod, "signalled", False):
+        exit_without_teardown(SIGNALLED_EXIT)
+    if _orphaned():
         exit_without_teardown(0)
 
 

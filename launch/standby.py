@@ -8,14 +8,17 @@ CPU ranks (gloo) do what they can while they wait: they join the standby's proce
 the controller writes `NNN.prepare.json` (the strategy it expects next) they build its mesh, model and
 optimizer state, so that a hand-over to that strategy only loads the checkpoint. GPU ranks touch
 nothing (NCCL communicators and a model would take GPU memory beside the running job).
-It exits quietly if the hand-over says `cancel`, or if the controller is gone (its process, for local
-nodes; its state file untouched for `STALE_S`, elsewhere).
+It exits quietly if the hand-over says `cancel`, if it is not for this standby (another launch, or
+sealed by another controller than the one whose telemetry token this job has: `rundir.handover_seal`),
+or if the controller is gone (its process, for local nodes; its state file untouched for `STALE_S`,
+elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hmac
 import json
 import os
 import resource
@@ -26,13 +29,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cona_cli.config import config_from_json
-from cona_cli.rundir import RunDir
+from cona_cli.rundir import RunDir, handover_seal
 from cona_cli.strategy import Strategy
 from launch import testhooks, worker
 from launch.data.corpus import CorpusInfo
 from launch.device import init_distributed, placement
 from launch.layout import Layout, prepare_layout
 
+signalled = False  # the launch it became was stopped on this rank by SIGTERM (`launch.forkrun` reads it)
 POLL_S = 0.1  # a waiting rank wakes this often (at 20 ms, 4 waiting ranks slowed a 4-rank job ~8% on 2 cores)
 STALE_S = 900.0  # a controller that has not rewritten its state file for this long is gone
 
@@ -86,6 +90,12 @@ def read_prepare(path: Path) -> str | None:
         return None
 
 
+def for_this_standby(doc: dict, launch: int) -> bool:
+    """Whether a hand-over is to launch `launch`, this standby's, from the controller that started it."""
+    seal = handover_seal(os.environ.get("CONA_TELEMETRY_TOKEN", ""), launch)
+    return doc.get("launch") == launch and hmac.compare_digest(str(doc.get("seal", "")), seal)
+
+
 class Handover(NamedTuple):
     doc: dict
     layout: Layout | None
@@ -101,7 +111,9 @@ def wait_for_handover(run: RunDir, launch: int, prepare: Callable[[Strategy], La
     checked = time.monotonic()
     while True:
         doc = json.loads(path.read_text()) if path.is_file() else None
-        if doc is not None and doc.get("cancel"):
+        if doc is not None and (doc.get("cancel") or not for_this_standby(doc, launch)):
+            if not doc.get("cancel"):
+                print(f"cona-standby: {path.name} is not for this standby; leaving", flush=True)
             return None
         expected = None
         if prepare is not None and layout is None:
@@ -121,6 +133,7 @@ def wait_for_handover(run: RunDir, launch: int, prepare: Callable[[Strategy], La
 
 
 def main() -> None:
+    global signalled
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--launch", required=True, type=int)
@@ -145,6 +158,7 @@ def main() -> None:
     doc = handover.doc
     resume = Path(doc["resume"]) if doc.get("resume") else None
     worker.run(run.path, Strategy.parse(doc["strategy"]), args.launch, resume, doc.get("stop_step"), handover.layout)
+    signalled = worker.signalled
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ controller command, saves a checkpoint and writes `RUN/launches/NNN.json` saying
 The controller may also change the micro- and global batch in place (`resize`: same dp, tp and pp,
 pp = 1): every rank takes the new batch from the step after the one in which rank 0 read the command.
 Also checkpoints every `train.checkpoint_interval` steps / `checkpoint_interval_s` seconds, and
-checkpoints and exits if the controller goes away (its telemetry connection closes). A checkpoint
-that cannot be loaded ends the rank with exit code `BAD_CHECKPOINT_EXIT`.
+checkpoints and exits if the controller goes away (its telemetry connection closes) or a SIGTERM reaches
+any rank: every rank learns of either in the step's all-reduce and stops after the same step. The
+outcome says why (`signal`, `controller_lost`, or `command` with the id of the controller's command), so
+the controller can tell a stop it asked for from one it did not. A checkpoint that cannot be loaded ends
+the rank with exit code `BAD_CHECKPOINT_EXIT`.
 """
 
 from __future__ import annotations
@@ -60,8 +63,10 @@ from launch.precision import resolve_precision
 from launch.snapshot import Snapshot
 from launch.telemetry_client import TelemetryClient
 
-_STOP_COMMAND, _STOP_TIME, _STOP_SWITCH = 1.0, 2.0, 3.0
-_CONTROL_SLOTS = 11  # the step's all-reduced scalars besides each rank's two memory slots (`train_step`)
+# Rank 0's stop decision in the step's all-reduce (every rank adds whether a SIGTERM reached it).
+_STOP_COMMAND, _STOP_TIME, _STOP_SWITCH, _STOP_LOST = 1.0, 2.0, 3.0, 4.0
+_SAVE_PERIODIC, _SAVE_RESIZE = 1.0, 2.0  # rank 0's checkpoint decision after the step
+_CONTROL_SLOTS = 12  # the step's all-reduced scalars besides each rank's two memory slots (`train_step`)
 
 
 @dataclass
@@ -82,9 +87,9 @@ class TrainerState:
 class StepOut(NamedTuple):
     loss: float
     grad_norm: float
-    stop: str | None  # rank 0's stop decision: "command", "max_time" or None
+    stop: str | None  # why the job stops after this step: "command", "signal", "controller_lost", "max_time"
     eval: bool  # rank 0 wants an evaluation after this step
-    checkpoint: bool  # rank 0 wants a time-based periodic checkpoint after this step
+    checkpoint: str | None  # rank 0 wants a checkpoint after this step: "periodic" (time-based) or "resize"
     written: bool  # every rank's shards of the checkpoint being written in the background are written
     noise: dict[str, float]
     memory: dict[str, Any]  # peak memory (max over ranks) and the planner's estimate
@@ -159,10 +164,13 @@ class Worker:
         self.ckpt_root = self.files.checkpoints
         self.telemetry = TelemetryClient() if self.rank == 0 else None
         self.controlled = self.telemetry is not None and self.telemetry.expected
-        self.stop_requested = False
+        self.signalled = False  # a SIGTERM reached this rank
+        self.stop_command: dict[str, Any] | None = None  # rank 0: the controller's checkpoint_and_exit
+        self.controller_lost = False  # rank 0: the telemetry connection broke, or was never made
         self.awaiting_sync: int | None = None  # virtual clock: the step whose commands rank 0 must have
         self.switch_requested = False  # the controller's stop command is for a switch, not the run's end
         self.resize_requested: Strategy | None = None  # rank 0: the batch the controller asked for
+        self.save_before_resize = False  # rank 0: that resize's command asks for a checkpoint first
         self.saved: tuple[int, Path] | None = None  # (step, path) of the checkpoint this state is in
         # Periodic checkpoints written in the background (DCP's async_save) on a gloo group of their own.
         # (Not under the virtual clock: when a background write is done is the host's business.)
@@ -270,6 +278,7 @@ class Worker:
             self.telemetry.send(
                 {
                     "type": "checkpoint",
+                    "launch": self.launch,
                     "step": step,
                     "path": str(path),
                     "seconds": round(seconds, 4),
@@ -319,6 +328,26 @@ class Worker:
     def time_is_up(self) -> bool:
         return self.cfg.train.max_time is not None and self.now() >= self.cfg.train.max_time
 
+    def _stop_code(self) -> float:
+        """Rank 0's stop decision for every rank: the controller's command, a lost controller, max_time.
+        Polled as late as possible: a command that came during this step stops the job after it."""
+        self.poll_commands(self.state.step + 1)
+        if self.stop_command is not None:
+            return _STOP_SWITCH if self.stop_command.get("switch") else _STOP_COMMAND
+        if self.controller_lost:
+            return _STOP_LOST
+        return _STOP_TIME if self.time_is_up() else 0.0
+
+    def _checkpoint_code(self, resize: Strategy | None) -> float:
+        """Rank 0's checkpoint decision for after this step: `resize` when the job resizes after it, the
+        controller asked for a checkpoint first and this launch has none to go back to but the run's start
+        (a kill after the climb then keeps it); else `periodic` when its time has come."""
+        if self.rank != 0:
+            return 0.0
+        if resize is not None and self.save_before_resize and self.saved is None:
+            return _SAVE_RESIZE
+        return _SAVE_PERIODIC if self.checkpoint_due_by_time() else 0.0
+
     def checkpoint_due_by_time(self) -> bool:
         t = self.cfg.train
         if t.checkpoint_interval_s is None:
@@ -341,12 +370,9 @@ class Worker:
         testhooks.maybe_die(self.run_dir, "step", st.step + 1, self.rank)
         testhooks.step_delay()
         self.pm.average_grads()
-        # Rank 0 decides time- and command-driven stops, evaluations and checkpoints for everyone.
-        stop = 0.0
-        if self.rank == 0:
-            self.poll_commands(st.step + 1)  # as late as possible: a command that came during this step stops after it
-            command = _STOP_SWITCH if self.switch_requested else _STOP_COMMAND
-            stop = command if self.stop_requested else _STOP_TIME if self.time_is_up() else 0.0
+        # Rank 0 decides command- and time-driven stops, evaluations and checkpoints for everyone; every
+        # rank says whether a SIGTERM reached it.
+        stop = self._stop_code() if self.rank == 0 else 0.0
         resize, self.resize_requested = self.resize_requested, None
         writing = self.pending is not None and not self.pending.written()
         # At the first steady step (after the first, or after a resize) every rank says whether its
@@ -361,8 +387,9 @@ class Worker:
                 self.small.small_share() if self.small is not None else 0.0,
                 self.small.big_share() if self.small is not None else 0.0,
                 stop,
+                float(self.signalled),
                 float(self.rank == 0 and want_eval),
-                float(self.rank == 0 and self.checkpoint_due_by_time()),
+                self._checkpoint_code(resize),
                 float(writing),
                 float(resize.mbs) if resize else 0.0,
                 float(resize.gbs) if resize else 0.0,
@@ -381,8 +408,9 @@ class Worker:
             small_sq,
             big_sq,
             stop_code,
+            signals,
             eval_votes,
-            ckpt_votes,
+            ckpt_code,
             writers,
             new_mbs,
             new_gbs,
@@ -397,14 +425,13 @@ class Worker:
         st.step += 1
         st.consumed_samples += s.gbs
         st.progress_tokens += progress_tokens(t.lr_scaling, s.gbs, t.lr_base_gbs or s.gbs, gns, self.seq_len)
-        stop_reason = {_STOP_COMMAND: "command", _STOP_SWITCH: "command", _STOP_TIME: "max_time"}.get(stop_code)
         self.switch_requested = stop_code == _STOP_SWITCH  # every rank learns it: ends_run() must agree
         out = StepOut(
             loss_total / (s.dp * s.n_microbatches),
             grad_norm,
-            stop_reason,
+            stop_cause(stop_code, signals),
             eval_votes > 0,
-            ckpt_votes > 0,
+            {_SAVE_PERIODIC: "periodic", _SAVE_RESIZE: "resize"}.get(ckpt_code),
             self.pending is not None and writers == 0,
             noise,
             self.memory_fields(slots),
@@ -579,16 +606,15 @@ class Worker:
             self.telemetry.close()
         for msg in self._commands():
             if msg.get("cmd") == "checkpoint_and_exit":
-                self.stop_requested = True
-                self.switch_requested = bool(msg.get("switch"))
+                self.stop_command = msg
             elif msg.get("cmd") == "resize":
                 target = Strategy.parse(msg["strategy"])
                 if resizable(self.strategy, target):
-                    self.resize_requested = target
+                    self.resize_requested, self.save_before_resize = target, bool(msg.get("checkpoint"))
                 else:
                     print(f"cona-worker: ignoring resize {self.strategy} -> {target}: not the same layout", flush=True)
         if not self.telemetry.connected:
-            self.stop_requested = True
+            self.controller_lost = True
 
     def _commands(self) -> list[dict[str, Any]]:
         """The controller's commands since the last poll. Under the virtual clock, all of them up to its
@@ -606,9 +632,12 @@ class Worker:
             msgs += self.telemetry.poll(timeout=1.0)
         return msgs
 
-    def checkpoint_due(self, out: StepOut) -> bool:
+    def checkpoint_due(self, out: StepOut) -> str | None:
+        """Which checkpoint is due after this step: `resize`, `periodic` (by time or steps), or None."""
         interval = self.cfg.train.checkpoint_interval
-        return out.checkpoint or (interval is not None and self.state.step % interval == 0)
+        if out.checkpoint is None and interval is not None and self.state.step % interval == 0:
+            return "periodic"
+        return out.checkpoint
 
     def ends_run(self, reason: str, stop_step: int | None) -> bool:
         """Whether the launch's stop ends the run: a stop rule, max_time, an interrupt or the last stage of
@@ -617,6 +646,13 @@ class Worker:
             chain = self.cfg.chain if self.cfg.policy == "chain" else None
             return bool(chain and chain[-1].steps) and stop_step == sum(c.steps or 0 for c in chain)
         return not (reason == "command" and self.switch_requested)
+
+    def _last_save_reason(self, reason: str) -> str:
+        """The launch's last checkpoint is a switch's, an interrupt's (any stop by command or signal, or a
+        lost controller) or the run's final one (a stop rule)."""
+        if reason == "stage_end" or (reason == "command" and self.switch_requested):
+            return "switch"
+        return "interrupt" if reason in ("command", "signal", "controller_lost") else "final"
 
     def train(self, stop_step: int | None, fresh: bool) -> dict[str, Any]:
         t, st = self.cfg.train, self.state
@@ -678,17 +714,22 @@ class Worker:
             reason = self.stop_reason(val_ppl) or out.stop
             if out.written:
                 self.finish_pending()
-            if reason is None and self.checkpoint_due(out):
+            due = self.checkpoint_due(out) if reason is None else None
+            if due == "resize":
+                self.save("resize")
+            elif due is not None:
                 self.save_periodic()
             if self.clock.virtual and self.controlled:  # the next step waits for the answer to this one
                 assert self.telemetry is not None
-                self.telemetry.send({"type": "sync", "step": st.step})
+                self.telemetry.send({"type": "sync", "step": st.step, "launch": self.launch})
                 self.awaiting_sync = st.step
         if self.ends_run(reason, stop_step) and st.last_eval_step != st.step:
             self.run_eval()  # the last checkpoint's validation perplexity is always in metrics.jsonl
-        path = self.save({"stage_end": "switch", "command": "interrupt"}.get(reason, "final"))
+        path = self.save(self._last_save_reason(reason))
+        command = self.stop_command if reason == "command" else None
         return {
             "reason": reason,
+            "stop_id": command.get("id") if command is not None else None,  # the controller's, echoed
             "step": st.step,
             "consumed_samples": st.consumed_samples,
             "time": st.time,
@@ -696,6 +737,16 @@ class Worker:
             "checkpoint": str(path),
             "best_val_ppl": st.best_val_ppl,
         }
+
+
+def stop_cause(code: float, signals: float) -> str | None:
+    """Why the job stops after a step, from its all-reduced stop slots: the controller's command first (it
+    asked for the stop), then a SIGTERM on any rank, a lost controller, max_time; None: it goes on."""
+    if code in (_STOP_COMMAND, _STOP_SWITCH):
+        return "command"
+    if signals:
+        return "signal"
+    return {_STOP_LOST: "controller_lost", _STOP_TIME: "max_time"}.get(code)
 
 
 def make_clock(cfg: Config, files: RunDir, run_start: float) -> WallClock:
@@ -724,12 +775,12 @@ def main() -> None:
     run(args.run_dir, args.strategy, args.launch, args.resume, args.stop_step)
 
 
-signalled = False  # SIGTERM stopped this rank: its agent is stopping the job and reads no result (launch.forkrun)
+signalled = False  # a SIGTERM reached this rank: it leaves with SIGNALLED_EXIT once done (launch.forkrun)
 
 
 def _stop_on_signal(worker: Worker) -> None:
     global signalled
-    signalled = worker.stop_requested = True
+    signalled = worker.signalled = True
 
 
 def run(

@@ -40,35 +40,62 @@ def _cona(*args: str) -> list[str]:
     return [sys.executable, "-c", "from cona_cli.app import main; main()", *args]
 
 
+def job_processes(run: Path) -> list[int]:
+    """Live processes whose command line names the run folder (agents, fork servers, ranks)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            named = str(run) in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if named and (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(cmdline.parent.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def no_process_left(run: Path) -> bool:
+    """Whether every process of the run's jobs is gone (waiting a little for the last ones to be reaped)."""
+    deadline = time.monotonic() + 10
+    while job_processes(run) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not job_processes(run)
+
+
 def _train(tmp: Path, *args: str, env: dict[str, str] | None = None, doc: dict = DOC) -> subprocess.CompletedProcess:
+    """`cona train` to its end; one that hangs is ended with every process of its jobs, and fails the test."""
     cfg = write_config(tmp / "tiny.yaml", doc)
-    return subprocess.run(
-        _cona("train", str(cfg), "--run-dir", str(tmp / "run"), *args),
-        cwd=REPO,
-        text=True,
-        capture_output=True,
-        timeout=240,
-        env={**os.environ, **(env or {})},
-    )
+    try:
+        return subprocess.run(
+            _cona("train", str(cfg), "--run-dir", str(tmp / "run"), *args),
+            cwd=REPO,
+            text=True,
+            capture_output=True,
+            timeout=240,
+            env={**os.environ, **(env or {})},
+        )
+    except subprocess.TimeoutExpired:
+        for pid in job_processes(tmp / "run"):
+            os.kill(pid, signal.SIGKILL)
+        raise
 
 
 def _resume(run: Path) -> subprocess.CompletedProcess:
     return subprocess.run(_cona("train", "--resume", str(run)), cwd=REPO, text=True, capture_output=True, timeout=240)
 
 
-def _start_and_wait(tmp: Path, step: int) -> subprocess.Popen:
+def _start_and_wait(tmp: Path, step: int, save_delay_s: float = 1.0, doc: dict = DOC) -> subprocess.Popen:
     """Start a run in the background and return once metrics show `step`.
 
-    Saves linger 1 s, so that on a fast host the run cannot reach its last step (past the next
+    Saves linger `save_delay_s`, so that on a fast host the run cannot reach its last step (past the next
     periodic checkpoint) before the test's signal has been acted on."""
-    cfg = write_config(tmp / "tiny.yaml", DOC)
+    cfg = write_config(tmp / "tiny.yaml", doc)
     proc = subprocess.Popen(
         _cona("train", str(cfg), "--run-dir", str(tmp / "run")),
         cwd=REPO,
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env={**os.environ, "CONA_TEST_SAVE_DELAY_S": "1.0"},
+        env={**os.environ, "CONA_TEST_SAVE_DELAY_S": str(save_delay_s)},
     )
     metrics, deadline = tmp / "run" / "metrics.jsonl", time.monotonic() + 120
     while time.monotonic() < deadline and not (metrics.exists() and f'"step": {step},' in metrics.read_text()):
@@ -201,3 +228,62 @@ def test_gives_up_after_max_restarts(tmp_path: Path) -> None:
     assert "giving up: 1 failed launches within 3600 s (train.max_restarts = 0)" in proc.stderr
     events = _rows(tmp_path / "run" / "events.jsonl")
     assert [e["kind"] for e in events][-2:] == ["failure", "exit"] and events[-1]["reason"] == "failed"
+
+
+def test_a_stray_sigterm_to_one_rank_is_a_failure_recovered_and_the_run_ends_by_its_rule(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
+    """SIGTERM to rank 1 alone (not from its agent, not asked for by the controller): every rank stops after
+    that step with a checkpoint, the launch fails, the restart continues from that checkpoint, and the run
+    ends at max_steps with nothing of its jobs left (the signalled rank once left while the others and
+    their agent waited for it for ever)."""
+    proc = _train(tmp_path, env={"CONA_TEST_DIE_AT_STEP": "6:1:step:TERM"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = check_recovered(tmp_path / "run", reference)
+    assert events[-1]["reason"] == "max_steps"
+    failure = next(e for e in events if e["kind"] == "failure")
+    assert failure["launch"] == 1 and failure["rank"] == 1, failure
+    relaunch = [e for e in events if e["kind"] == "launch"][1]
+    assert relaunch["reason"] == "restart" and relaunch["step"] == 6  # the checkpoint every rank saved on it
+    assert no_process_left(tmp_path / "run")
+
+
+def test_a_dropped_telemetry_connection_is_restarted_not_done(tmp_path: Path, reference: dict[int, float]) -> None:
+    """Rank 0's telemetry connection closes under a running job: the job checkpoints and stops on its own,
+    which the controller did not ask for, so it restarts the run (a `done` run could not be resumed)."""
+    proc = _train(tmp_path, env={"CONA_TEST_DISCONNECT_AT_STEP": "6"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = check_recovered(tmp_path / "run", reference)
+    assert events[-1]["reason"] == "max_steps"
+    failure = next(e for e in events if e["kind"] == "failure")
+    assert failure["launch"] == 1 and failure["exit_code"] == 0, failure
+    relaunch = [e for e in events if e["kind"] == "launch"][1]
+    assert relaunch["reason"] == "restart" and relaunch["step"] == 6
+    assert no_process_left(tmp_path / "run")
+
+
+def test_a_relaunch_after_an_agent_kill_starts_once_the_old_ranks_are_gone(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
+    """SIGKILL the torchrun agent: its ranks get SIGTERM and checkpoint on their way out (saves linger 20 s
+    here, longer than the controller waits for a dead agent's output; no periodic ones). The restart waits
+    for them: it starts from the checkpoint they wrote, and no row of the old launch follows the new
+    launch's first."""
+    run = tmp_path / "run"
+    doc = {**DOC, "train": {**DOC["train"], "checkpoint_interval": None}}
+    proc = _start_and_wait(tmp_path, 5, save_delay_s=20.0, doc=doc)
+    try:
+        os.kill(json.loads((run / "controller_state.json").read_text())["agent_pids"][0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        for pid in job_processes(run) if proc.poll() is None else []:
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    events = check_recovered(run, reference)
+    steps = [r for r in _rows(run / "metrics.jsonl") if r["kind"] == "step"]
+    first_new = next(i for i, r in enumerate(steps) if r["launch"] == 2)
+    assert all(r["launch"] == 2 for r in steps[first_new:])  # no row of the old launch after the new one's first
+    relaunch = [e for e in events if e["kind"] == "launch"][1]
+    assert relaunch["reason"] == "restart" and relaunch["step"] == steps[first_new - 1]["step"] > 5
+    assert no_process_left(run)

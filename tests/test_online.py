@@ -3,22 +3,28 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
 import queue
 import random
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from rich.console import Console
 
 from cona_cli.config import ConfigError, config_from_dict
 from cona_cli.control.cona_policy import ConaPolicy
 from cona_cli.control.controller import Controller
 from cona_cli.control.policies import Stage
+from cona_cli.control.recovery import LaunchResult, Recovery, Restart
+from cona_cli.control.runstate import RunState
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.search import Candidate, SearchResult
+from cona_cli.rundir import RunDir
 from cona_cli.strategy import Strategy, resizable
 from tests.support import TINY, RecordedEvents
 
@@ -363,6 +369,24 @@ def test_the_controller_acts_on_the_first_stage_of_a_queued_batch() -> None:
     assert seen == [0, 1, 2, 3]
 
 
+def test_rows_of_another_launch_than_the_running_one_are_ignored_and_logged() -> None:
+    """Rows and syncs of a launch that should be gone never reach the policy or answer for the running job;
+    the first of them is logged (one warning per such launch)."""
+    controller = Controller.__new__(Controller)
+    controller.telemetry = SimpleNamespace(messages=queue.Queue())
+    controller.launch, controller._ignored, controller._sync_step = 3, set(), None
+    warned: list[str] = []
+    controller.recovery = SimpleNamespace(warn=warned.append)  # type: ignore[assignment]
+    for launch in (2, 3, 2):
+        controller.telemetry.messages.put({"type": "metric", "kind": "step", "step": 5, "launch": launch})
+    controller.telemetry.messages.put({"type": "sync", "step": 5, "launch": 2})
+    seen: list[int] = []
+    controller._handle = lambda msg, prev, progress: seen.append(msg["launch"])  # type: ignore[method-assign]
+    assert controller._drain(None, None) is None  # type: ignore[arg-type]
+    assert seen == [3] and controller._sync_step is None
+    assert warned == ["ignoring rows of launch 2: launch 3 is running"]
+
+
 def test_the_search_reruns_as_the_running_strategys_steps_double_or_its_median_moves() -> None:
     """A search made on a strategy's first slow steps must not fix a higher rung's prediction for the rest
     of the run: it reruns at twice the steps it saw (until the window is full), and when the median moves."""
@@ -386,3 +410,45 @@ def test_the_search_reruns_as_the_running_strategys_steps_double_or_its_median_m
     feed(range(400, 500), 0.12)
     assert searched[-1][0] > 0.11 and len(searched) == len(counts) + 1  # one rerun for a 20 % move
     policy._join_search()
+
+
+def _recovery(policy: ConaPolicy, run_dir: Path) -> Recovery:
+    files = RunDir(run_dir)
+    return Recovery(policy.cfg, files, policy, RecordedEvents(), Console(file=io.StringIO()), RunState(), 0.0, False)  # type: ignore[arg-type]
+
+
+def test_a_restart_without_a_checkpoint_after_an_in_place_climb_starts_at_the_first_rung_reset(
+    tiny_run_dir: Path,
+) -> None:
+    """A kill after the job climbed 8 -> 16 in place, before any checkpoint: the restart runs from step 0,
+    so it starts where an unkilled run starts, at the first rung, and the policy forgets what the dead
+    launch taught it about that trajectory (its stage, noise window and step times), as `--resume` does."""
+    policy = _policy()
+    first = policy.first()
+    world = World(policy, gns=0.0)
+    world.gns = _gns_for_ratio(world, S8, S16, 1.3)
+    world.run(60)
+    assert policy.current.strategy == S16 and policy.noise.entries and policy.samples
+    failed = LaunchResult(1, None, None, None, tiny_run_dir / "logs" / "launch_001.log")
+    restart = _recovery(policy, tiny_run_dir).after_failure(failed, None, policy.current, 1)
+    assert isinstance(restart, Restart) and restart.checkpoint is None
+    assert restart.stage == first and policy.current == first
+    assert not policy.noise.entries and not any(policy.samples.values()) and policy.leading is None
+    again = _policy()
+    again.load_state_dict(policy.state_dict())
+    assert again.current == first and not any(again.samples.values())
+
+
+def test_a_restart_from_a_checkpoint_keeps_what_the_policy_knew_at_its_step() -> None:
+    """From a checkpoint at step 30: the step times of later steps (the dead launch's, to be run again) are
+    dropped, and the noise window is the checkpoint's own (its trailing estimates at its batch)."""
+    policy = _policy()
+    world = World(policy, gns=0.0)
+    world.gns = _gns_for_ratio(world, S8, S16, 1.3)
+    world.run(60)
+    entries = [[8, 1.0, 5.0]] * 3 + [[16, 2.0, 7.0], [16, 3.0, 9.0]]
+    trainer = {"trainer": {"step": 30, "extra": {"gns": {"entries": entries}}}, "strategy": S16.to_dict()}
+    policy.restart(30, policy.current, trainer)
+    assert list(policy.noise.entries) == [(16, 2.0, 7.0), (16, 3.0, 9.0)]
+    steps = [step for kept in policy.sample_steps.values() for step in kept]
+    assert steps and max(steps) == 30 and len(steps) == sum(len(v) for v in policy.samples.values())

@@ -180,5 +180,5 @@ def test_a_job_that_cannot_reach_the_controller_that_started_it_checkpoints_and_
         result = w.train(stop_step=None, fresh=True)
     finally:
         dist.destroy_process_group()
-    assert result["reason"] == "command" and result["step"] == 1, result
+    assert result["reason"] == "controller_lost" and result["step"] == 1, result
     assert rundir.committed(tmp_path / "checkpoints") == [rundir.step_dir(tmp_path / "checkpoints", 1)]

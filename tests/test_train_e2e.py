@@ -179,6 +179,10 @@ def test_online_policy_resizes_in_place_without_a_relaunch_or_standby(tmp_path: 
     first = switches[0]
     assert first["to"]["gbs"] == 16 and first["from"]["gbs"] == 8
     assert first["seconds"] > 0 and first["decision_to_first_step_s"] > 0, first
+    # Without a checkpoint to go back to, the climb writes one first: a kill after it keeps the climb.
+    saved = [e for e in events if e["kind"] == "checkpoint" and e["reason"] == "resize"]
+    assert [e["step"] for e in saved] == [first["step"]], saved
+    assert json.loads((Path(saved[0]["path"]) / "trainer.json").read_text())["strategy"] == first["to"]
     steps = [r for r in _rows(run / "metrics.jsonl") if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 61))
     assert [r["gbs"] for r in steps[first["step"] - 1 : first["step"] + 1]] == [8, 16]

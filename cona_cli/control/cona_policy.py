@@ -31,6 +31,7 @@ follow from the rows alone, whatever the host's load, so a recorded run replays 
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import threading
@@ -102,10 +103,12 @@ class ConaPolicy(Policy):
         self.out_of_memory: set[Strategy] = set()  # strategies that ran out of memory in this run
         self.workload = Workload.from_config(cfg)
         self.samples: dict[Strategy, list[float]] = {}  # measured s/iter of strategies that ran
+        self.sample_steps: dict[Strategy, list[int]] = {}  # the step each of those times was measured at
         self.switch_costs: list[float] = []  # measured cold relaunches
         self.warm_switch_costs: list[float] = []  # measured hand-overs to a ready standby
         self.resize_costs: list[float] = []  # measured in-place resizes
         self.in_place = self.s.in_place
+        self.checkpoint_resizes = True  # its climbs in place are its trajectory: a kill must not undo them
         # Raw two-batch estimates (gbs, |G|², tr Σ) of the running batch size's last `train.gns_window` samples.
         self.noise = NoiseWindow(cfg.train.gns_window)
         self._lock = threading.Lock()
@@ -121,7 +124,7 @@ class ConaPolicy(Policy):
             lowest_blind = any(x.gbs == self.ladder[0] for x in blind)
             why = " that measures the noise scale (needs dp > 1 or gbs > mbs)" if lowest_blind else ""
             raise ValueError(f"search: no feasible strategy at gbs {self.ladder[0]}{why}")
-        self.current = Stage(first.strategy, None, "start")
+        self.start = self.current = Stage(first.strategy, None, "start")
 
     # -- search ------------------------------------------------------------------------------
 
@@ -225,9 +228,13 @@ class ConaPolicy(Policy):
         self._observe_noise(row)
         cur = self.current.strategy
         if self._launch_steps > WARMUP_STEPS and not self.standby_importing:
-            times = self.samples.setdefault(cur, [])
+            times, steps = self.samples.setdefault(cur, []), self.sample_steps.setdefault(cur, [])
             times.append(row["iter_s"])
-            del times[:-SAMPLE_WINDOW]  # recent steps only: follows host drift, bounds the saved state
+            steps.append(int(row["step"]))
+            del (
+                times[:-SAMPLE_WINDOW],
+                steps[:-SAMPLE_WINDOW],
+            )  # recent steps only: follows host drift, bounds the saved state
             self._dwell.append(row["iter_s"])
             del self._dwell[:-SAMPLE_WINDOW]
         if len(self._dwell) < self.s.min_steps or self._launch_steps % self.s.decision_every:
@@ -332,6 +339,31 @@ class ConaPolicy(Policy):
         with self._lock:
             self._results = {}
 
+    def restart(self, step: int, stage: Stage, trainer: dict[str, Any] | None = None) -> Stage | None:
+        """Continue from a checkpoint at `step` as the run was there: the step times of later steps (the dead
+        launch's, to be run again) are dropped and the noise window is the checkpoint's. Without one (step
+        0) the run starts over where an unkilled run starts: at the first strategy, with no noise
+        estimates and no step times of its own (measured switch costs and out-of-memory strategies, facts
+        of the host, stay)."""
+        for s, steps in self.sample_steps.items():
+            kept = [i for i, at in enumerate(steps) if at <= step]
+            self.samples[s], self.sample_steps[s] = [self.samples[s][i] for i in kept], [steps[i] for i in kept]
+        self._launch, self._dwell = None, []
+        if step == 0:
+            self.noise.clear()
+            self._moved(self._first_stage())
+            return self.current
+        if trainer is not None:
+            self.noise = NoiseWindow(self.cfg.train.gns_window, _trailing(trainer))
+        return stage
+
+    def _first_stage(self) -> Stage:
+        """Where the run starts: the first rung's best strategy (another one if that ran out of memory)."""
+        if self.start.strategy not in self.out_of_memory:
+            return self.start
+        best = self._search_now(self.ladder[0]).best
+        return Stage(best.strategy, None, "start") if best is not None else self.start
+
     def infeasible(self, strategy: Strategy) -> Stage | None:
         """Drop a strategy that ran out of memory from the space; continue with the best one left at the
         running rung (None if none is left)."""
@@ -354,6 +386,7 @@ class ConaPolicy(Policy):
             "current": str(self.current.strategy),
             "reason": self.current.reason,
             "samples": {str(k): v for k, v in self.samples.items()},
+            "sample_steps": {str(k): v for k, v in self.sample_steps.items()},
             "switch_costs": self.switch_costs,
             "warm_switch_costs": self.warm_switch_costs,
             "resize_costs": self.resize_costs,
@@ -366,6 +399,8 @@ class ConaPolicy(Policy):
             return
         self.current = Stage(Strategy.parse(state["current"]), None, state["reason"])
         self.samples = {Strategy.parse(k): list(v) for k, v in state["samples"].items()}
+        steps = state.get("sample_steps", {})  # a state from before steps were kept: all count as step 0's
+        self.sample_steps = {s: list(steps.get(str(s), [0] * len(v))) for s, v in self.samples.items()}
         self.switch_costs = list(state["switch_costs"])
         self.warm_switch_costs = list(state.get("warm_switch_costs", []))
         self.resize_costs = list(state.get("resize_costs", []))
@@ -407,3 +442,17 @@ class ConaPolicy(Policy):
         if d is not None:
             fields.update(ratio=d.ratio, ratio_low=d.ratio_low, payback=d.payback, score=d.score, time_left_s=left)
         self.events.write("decision", **fields)
+
+
+def _trailing(trainer: dict[str, Any]) -> list[tuple[int, float, float]]:
+    """The policy's noise window at a checkpoint: the trailing estimates of the checkpoint's batch in the
+    workers' own window (trainer.json `extra.gns`), which holds the same raw estimates the policy pooled."""
+    entries = [
+        (int(g), float(a), float(b))
+        for g, a, b in trainer["trainer"].get("extra", {}).get("gns", {}).get("entries", [])
+    ]
+    if not entries:
+        return []
+    gbs = Strategy.from_mapping(trainer["strategy"]).gbs if "strategy" in trainer else entries[-1][0]
+    tail = list(itertools.takewhile(lambda e: e[0] == gbs, reversed(entries)))
+    return tail[::-1]

@@ -3,6 +3,13 @@
 Data flows one way: config -> controller -> torchrun -> workers -> telemetry -> controller, and the
 run directory is the record (events.jsonl written here, metrics.jsonl by worker rank 0).
 
+A launch ends as such only by a stop rule, the end of its stage, or a stop the controller asked for:
+each `checkpoint_and_exit` command carries an id the workers echo in their outcome. A job that stopped
+on its own (a stray SIGTERM to a rank, a lost telemetry connection) failed, and is recovered from like
+any failure. One job owns the run folder at a time: after a failure the next launch starts only once
+the failed one's processes are gone (they may be checkpointing), and rows of any launch but the running
+one are ignored (and logged).
+
 What happens after a launch fails, and where a restart or `--resume` continues, is `recovery.py`'s;
 starting a torchrun job is `jobs.py`'s; the pre-warmed next launch is `standby.py`'s. The controller's
 own state goes to controller_state.json whenever it changes, so `cona train --resume RUN_DIR`
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import json
 import queue
+import secrets
 import signal
 import threading
 import time
@@ -30,12 +38,12 @@ from cona_cli.cluster.slurm import requeue
 from cona_cli.config import Config
 from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.clock_table import clock_spec, describe
-from cona_cli.control.failures import parse_failure
+from cona_cli.control.failures import Failure, parse_failure
 from cona_cli.control.jobs import EventLog, JobStarter, record_memory_estimate, worker_args
 from cona_cli.control.metric_sinks import open_sinks
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.recovery import LaunchResult, NoUsableCheckpoint, Recovery, Stop
-from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict
+from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict, wait_for_group
 from cona_cli.control.standby import StandbyPool
 from cona_cli.control.telemetry_server import TelemetryServer
 from cona_cli.rundir import RunDir
@@ -95,7 +103,9 @@ class Controller:
         self.recovery = Recovery(
             cfg, self.files, policy, self.events, self.console, self.state, self.run_start, self.multi_node
         )
-        self.standbys = StandbyPool(cfg, self.files, policy, self.events, self.state, self.jobs.start)
+        self.standbys = StandbyPool(
+            cfg, self.files, policy, self.events, self.state, self.jobs.start, self.telemetry.token
+        )
         self.signal_received: int | None = None
         self.launch = self.state.launch
         self.last_metric: dict[str, Any] = {}
@@ -106,6 +116,8 @@ class Controller:
         self.stage: Stage | None = None  # what the running launch runs (an in-place resize changes it)
         self._resizing: Stage | None = None  # a resize sent to the running job, not yet seen in its steps
         self._sync_step: int | None = None  # virtual clock: the step rank 0 waits for an answer to
+        self._stop_id: str | None = None  # the id of the stop command sent to the running job
+        self._ignored: set[Any] = set()  # launches whose rows arrived while another one ran (logged once)
 
     def _clock_spec(self) -> ClockSpec | None:
         """Under the virtual clock, its table (resolved once per run, kept in the run folder), printed."""
@@ -170,7 +182,7 @@ class Controller:
             stage, outcome = self.stage, result.outcome
             if self.signal_received is not None:
                 return self._interrupted(outcome)
-            if result.returncode != 0 or outcome is None:
+            if result.needs_recovery:
                 self._switch = {}
                 assert stage is not None
                 then = self.recovery.after_failure(result, ckpt, stage, self.launch)
@@ -210,7 +222,7 @@ class Controller:
         self, stage: Stage, resume: Path | None, prev: Prev | None, progress: Progress, reason: str | None
     ) -> tuple[LaunchResult, Stage | None]:
         self.launch += 1
-        self.stage, self._resizing = stage, None
+        self.stage, self._resizing, self._stop_id = stage, None, None
         step = checkpoints.checkpoint_step(resume) if resume else 0
         record_memory_estimate(self.cfg, self.files, stage.strategy)
         outcome_path = self.files.launch_outcome(self.launch)
@@ -239,6 +251,8 @@ class Controller:
         self._save_state(stage, prev)
         per_node = len(agents) > 1
         requested, failed, exiting = self._follow(agents, prev, progress, outcome_path)
+        if failed:
+            self._wait_until_gone(agents)
         self._switch["outcome"] = self._run_time()
         if exiting:  # handed over before the old job finished exiting: it ends in the background
             self._exiting += list(zip(agents, pumps))
@@ -251,13 +265,35 @@ class Controller:
         self._drain(prev, progress)
         self._save_state(self.stage, prev)
         if not failed:
-            return LaunchResult(0, outcome, None, None, self._log_path(agents[0], per_node)), requested
+            stopped = self._stopped_on_its_own(outcome)
+            failure = Failure.stopped_on_its_own(stopped) if stopped else None
+            return LaunchResult(0, outcome, None, failure, self._log_path(agents[0], per_node)), requested
         parsed = [
             (a, path, parse_failure(path.read_text(errors="replace") if path.is_file() else "", a.poll() or 1))
             for a, path in ((a, self._log_path(a, per_node)) for a in failed)
         ]
         agent, path, failure = next((r for r in parsed if not r[2].knock_on), parsed[0])
         return LaunchResult(failure.exit_code, outcome, agent, failure, path), requested
+
+    def _stopped_on_its_own(self, outcome: dict[str, Any] | None) -> str | None:
+        """The outcome's reason when the job stopped without being asked: a rank's SIGTERM, a lost telemetry
+        connection, or a stop command whose id is not the one sent to it; None for a stop rule, the stage's
+        end or the stop asked for."""
+        reason = outcome["reason"] if outcome is not None else None
+        if reason in ("signal", "controller_lost"):
+            return reason
+        if reason == "command" and (self._stop_id is None or outcome.get("stop_id") != self._stop_id):
+            return reason
+        return None
+
+    def _wait_until_gone(self, agents: list[Agent]) -> None:
+        """The failed launch's processes may outlive its agents (an agent killed: its ranks got SIGTERM and
+        checkpoint on their way out). Wait for each agent's process group to empty, killing what is left
+        after `INTERRUPT_GRACE_S`, so that the next launch runs alone in the run folder and starts from
+        the checkpoint they wrote."""
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        for agent in agents:
+            wait_for_group(agent.pid, max(0.0, deadline - time.monotonic()))
 
     def _run_time(self) -> float:
         """Seconds since the run started: the host's, or under the virtual clock the latest time reported."""
@@ -312,10 +348,12 @@ class Controller:
         if self.signal_received is not None or not outcome_path.is_file() or may_use_gpus(self.cfg.cluster):
             return False
         try:
-            reason = json.loads(outcome_path.read_text())["reason"]
+            outcome = json.loads(outcome_path.read_text())
+            reason = outcome["reason"]
         except (OSError, ValueError, KeyError):
             return False
-        return reason == "stage_end" or (reason == "command" and requested is not None)
+        asked = reason == "command" and requested is not None and outcome.get("stop_id") == self._stop_id
+        return reason == "stage_end" or asked
 
     def _reap_exiting(self) -> None:
         """Wait for switched-from jobs that were still shutting down (killed after a grace period)."""
@@ -357,8 +395,9 @@ class Controller:
             self.standbys.maybe_prepare(requested.strategy if requested is not None else self._relaunch_expected())
             wants_stop = requested is not None or self.signal_received is not None or failed
             if wants_stop and stop_sent_at is None:
-                # For a switch the workers skip the evaluation that ends a run.
-                stop = {"cmd": "checkpoint_and_exit", "switch": self.signal_received is None}
+                # For a switch the workers skip the evaluation that ends a run; they echo the id.
+                self._stop_id = secrets.token_hex(8)
+                stop = {"cmd": "checkpoint_and_exit", "switch": self.signal_received is None, "id": self._stop_id}
                 if failed or not self.telemetry.send(stop):
                     for a in agents:  # no telemetry, or a node is gone: workers checkpoint on SIGTERM if they can
                         a.signal(signal.SIGTERM)
@@ -379,7 +418,8 @@ class Controller:
     def _resize(self, stage: Stage) -> bool:
         """Ask the running job to take `stage`'s batch from its next step; False if it cannot be told."""
         record_memory_estimate(self.cfg, self.files, stage.strategy)
-        if not self.telemetry.send({"cmd": "resize", "strategy": str(stage.strategy)}):
+        resize = {"cmd": "resize", "strategy": str(stage.strategy), "checkpoint": self.policy.checkpoint_resizes}
+        if not self.telemetry.send(resize):
             return False
         self._resizing = stage
         return True
@@ -419,15 +459,29 @@ class Controller:
         except queue.Empty:
             return None
         while True:
-            if msg.get("type") == "sync":  # rank 0 waits: answer before reading on (`_follow`)
+            if self._foreign(msg):
+                pass
+            elif msg.get("type") == "sync":  # rank 0 waits: answer before reading on (`_follow`)
                 self._sync_step = int(msg["step"])
                 return switch_to
-            stage = self._handle(msg, prev, progress)
-            switch_to = switch_to or stage
+            else:
+                stage = self._handle(msg, prev, progress)
+                switch_to = switch_to or stage
             try:
                 msg = self.telemetry.messages.get_nowait()
             except queue.Empty:
                 return switch_to
+
+    def _foreign(self, msg: dict[str, Any]) -> bool:
+        """Whether `msg` is a row (metric, sync) of another launch than the running one: a job that should be
+        gone. Ignored; the first of each such launch is logged."""
+        launch = msg.get("launch")
+        if msg.get("type") not in ("metric", "sync") or launch == self.launch:
+            return False
+        if launch not in self._ignored:
+            self._ignored.add(launch)
+            self.recovery.warn(f"ignoring rows of launch {launch}: launch {self.launch} is running")
+        return True
 
     def _handle(self, msg: dict[str, Any], prev: Prev | None, progress: Progress) -> Stage | None:
         kind = msg.get("type")

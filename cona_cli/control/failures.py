@@ -19,7 +19,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, PEER_LOST
+from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, PEER_LOST, SIGNALLED_EXIT
 
 if TYPE_CHECKING:
     from cona_cli.cluster.launchers import Agent
@@ -43,6 +43,12 @@ _PEAK = re.compile(r"out of memory under (\S+): peak (\d+) bytes")  # the worker
 _SRUN_TASK = re.compile(r"srun: error: (\S+): task \d+: (?!.*Terminated)")
 TAIL = 15
 SSH_FAILED = 255  # ssh's own exit status when it cannot connect or loses the connection
+# Why a job that stopped on its own, without the controller's asking, did (the worker's outcome reason).
+STOPPED_ON_ITS_OWN = {
+    "signal": "a rank got SIGTERM",
+    "controller_lost": "rank 0 lost its telemetry connection",
+    "command": "a stop command this controller did not send",
+}
 
 
 @dataclass(frozen=True)
@@ -52,12 +58,19 @@ class Failure:
     rank_exit_code: int | None = None
     exit_codes: dict[int, int] = field(default_factory=dict)  # every failed rank's exit code
     last_lines: list[str] = field(default_factory=list)  # the root-cause rank's last lines (else the log's)
+    stopped: str | None = None  # the job exited cleanly but stopped on its own: its outcome's reason
+
+    @classmethod
+    def stopped_on_its_own(cls, reason: str) -> Failure:
+        """A launch whose job checkpointed and exited without the controller's asking (`reason`, its
+        outcome's): a failure to recover from, though every rank exited 0."""
+        return cls(0, stopped=reason)
 
     @property
     def knock_on(self) -> bool:
         """This node only failed because another one did: its first failed rank lost a peer or was
         stopped by SIGTERM (sent to every node once one fails)."""
-        if self.rank_exit_code == -signal.SIGTERM:
+        if self.rank_exit_code in (-signal.SIGTERM, SIGNALLED_EXIT):
             return True
         return self.rank is not None and any(k in line for line in self.last_lines for k in PEER_LOST)
 
@@ -107,19 +120,23 @@ class Failure:
         return BAD_CHECKPOINT_EXIT in self.exit_codes.values()
 
     def describe(self) -> str:
+        if self.stopped is not None:
+            return f"the job stopped on its own: {STOPPED_ON_ITS_OWN.get(self.stopped, self.stopped)}"
         if self.rank is None:
             if self.exit_code == SSH_FAILED:
                 return "ssh exited with code 255 (connection failed or lost)"
             if self.exit_code < 0 and -self.exit_code in signal.valid_signals():
                 return f"its agent was killed by signal {signal.Signals(-self.exit_code).name}"
             return f"torchrun exited with code {self.exit_code}"
-        code = self.rank_exit_code
-        how = (
-            f"signal {signal.Signals(-code).name}"
-            if code is not None and code < 0 and -code in signal.valid_signals()
-            else f"exit code {code}"
-        )
+        how = _how_it_ended(self.rank_exit_code)
         return f"rank {self.rank} {'ran out of memory' if self.out_of_memory else 'failed first'} ({how})"
+
+
+def _how_it_ended(code: int | None) -> str:
+    """A rank's exit code in words: the signal that killed it, a SIGTERM it checkpointed on, or the code."""
+    if code is not None and code < 0 and -code in signal.valid_signals():
+        return f"signal {signal.Signals(-code).name}"
+    return "SIGTERM, checkpointed" if code == SIGNALLED_EXIT else f"exit code {code}"
 
 
 def parse_failure(log: str, exit_code: int) -> Failure:

@@ -39,6 +39,9 @@ class Policy:
         # Whether a switch it asks for that keeps the layout (see `strategy.resizable`) may resize the
         # running job instead of relaunching it; the controller then calls `resized`, not `after_launch`.
         self.in_place = False
+        # Whether such a resize writes a checkpoint first where the job has none but the run's start
+        # (`launch.worker`): a kill after it then restarts at the new batch, not from step 0.
+        self.checkpoint_resizes = False
         self.standby_ready = False  # set by the controller: a pre-warmed job waits, switches are cheap now
         # Set by the controller while a standby imports beside the job: step times then are not the
         # strategy's own (on a CPU box the import takes cores from the ranks).
@@ -82,8 +85,9 @@ class Policy:
         """The running job resized in place to the stage this policy asked for (`seconds` between its last
         step before and its first after)."""
 
-    def restart(self, step: int, stage: Stage) -> Stage | None:
-        """The stage that continues from a checkpoint at `step`, after `stage` failed or was stopped."""
+    def restart(self, step: int, stage: Stage, trainer: dict[str, Any] | None = None) -> Stage | None:
+        """The stage that continues from a checkpoint at `step` (0: none, the run's start), after `stage`
+        failed or was stopped; `trainer`: that checkpoint's trainer.json (what the workers had then)."""
         return stage
 
     def infeasible(self, strategy: Strategy) -> Stage | None:
@@ -144,7 +148,7 @@ class ChainPolicy(Policy):
     def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
         return self._stage_at(outcome["step"])
 
-    def restart(self, step: int, stage: Stage) -> Stage | None:
+    def restart(self, step: int, stage: Stage, trainer: dict[str, Any] | None = None) -> Stage | None:
         return self._stage_at(step)
 
     def _stage_at(self, step: int) -> Stage | None:

@@ -84,7 +84,9 @@ class RampPolicy(Policy):
     def resized(self, stage: Stage, seconds: float) -> None:
         self.current = stage
 
-    def restart(self, step: int, stage: Stage) -> Stage | None:
+    def restart(self, step: int, stage: Stage, trainer: dict[str, Any] | None = None) -> Stage | None:
+        if step == 0:  # from the run's start: where the ramp starts (a checkpoint's batch is set by recovery)
+            self.current = Stage(self.at(self.start), None, "start")
         return self.current
 
     def state_dict(self) -> dict[str, Any]:

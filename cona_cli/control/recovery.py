@@ -4,8 +4,12 @@ A failed launch is recorded (events.jsonl, its last lines, a checkpoint it could
 quarantined) and classified: a worker's refusal or a checkpoint that could not be written ends the
 run (relaunching would fail the same way); out of memory marks the strategy infeasible and continues
 with the policy's next one; anything else relaunches under the same strategy from the newest usable
-checkpoint, up to `train.max_restarts` times within `train.restart_window_s`. A restart after an
-in-place resize runs the batch in force when its checkpoint was taken.
+checkpoint, up to `train.max_restarts` times within `train.restart_window_s`. A job that stopped on its
+own (a rank's SIGTERM, a lost telemetry connection: the controller did not ask) failed too, though its
+ranks exited 0. A restart continues from what the checkpoint holds: the policy is told its trainer state
+(cona takes its noise window and drops the step times of later steps; without a checkpoint it starts
+over at its first strategy), and after an in-place resize it runs the batch in force when the
+checkpoint was taken.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -36,8 +41,13 @@ class LaunchResult:
     returncode: int
     outcome: dict | None  # what the workers wrote to launches/NNN.json
     failed: Agent | None  # the node agent whose failure came first (not one that only lost a peer)
-    failure: Failure | None  # what its output says
+    failure: Failure | None  # what its output says (or that the job stopped on its own)
     log_path: Path  # that agent's output (else the first node's)
+
+    @property
+    def needs_recovery(self) -> bool:
+        """A rank or agent failed, no outcome was written, or the job stopped without being asked to."""
+        return self.returncode != 0 or self.outcome is None or self.failure is not None
 
 
 @dataclass
@@ -79,7 +89,7 @@ class Recovery:
         ckpt = self.newest_checkpoint()
         step = checkpoints.checkpoint_step(ckpt) if ckpt else 0
         self.events.write("resume", step=step, checkpoint=str(ckpt) if ckpt else None, launch=launch)
-        return Restart(self.batch_at(ckpt, self.policy.restart(step, running or self.policy.first())), ckpt, "resume")
+        return Restart(self.continue_from(ckpt, running or self.policy.first()), ckpt, "resume")
 
     def after_failure(self, result: LaunchResult, ckpt: Path | None, stage: Stage, launch: int) -> Restart | Stop:
         """Record launch `launch` (started from `ckpt` under `stage`) that failed; what the run does next."""
@@ -96,10 +106,14 @@ class Recovery:
         elif not self._may_restart():
             return Stop(1, "failed")
         ckpt = self.newest_checkpoint()
-        next_stage = self.policy.restart(checkpoints.checkpoint_step(ckpt) if ckpt else 0, stage)
         if failure.out_of_memory:  # the strategy the policy chose instead, as it chose it
-            return Restart(next_stage, ckpt, "out_of_memory")
-        return Restart(self.batch_at(ckpt, next_stage), ckpt, "restart")
+            return Restart(self.policy.restart(_step(ckpt), stage, _trainer_state(ckpt)), ckpt, "out_of_memory")
+        return Restart(self.continue_from(ckpt, stage), ckpt, "restart")
+
+    def continue_from(self, ckpt: Path | None, stage: Stage) -> Stage | None:
+        """The stage that continues from `ckpt` (None: from the run's start) after `stage` ran: the policy's,
+        told what the checkpoint holds, at the batch in force when it was taken."""
+        return self.batch_at(ckpt, self.policy.restart(_step(ckpt), stage, _trainer_state(ckpt)))
 
     def batch_at(self, ckpt: Path | None, stage: Stage | None) -> Stage | None:
         """The stage a restart from `ckpt` runs: the batch in force when `ckpt` was taken (its saved strategy),
@@ -141,6 +155,7 @@ class Recovery:
         self.events.write(
             "failure",
             launch=launch,
+            **({"stopped": failure.stopped} if failure.stopped else {}),
             exit_code=result.returncode,
             rank=failure.rank,
             rank_exit_code=failure.rank_exit_code,
@@ -157,7 +172,8 @@ class Recovery:
         if failure.storage is not None:  # so does a checkpoint that could not be written
             self.console.print(f"cona: {where}{failure.storage}", style="red", markup=False, highlight=False)
             return failure
-        self.console.print("\n".join(failure.last_lines), markup=False, highlight=False)
+        if failure.last_lines:
+            self.console.print("\n".join(failure.last_lines), markup=False, highlight=False)
         self.console.print(f"[red]cona: launch {launch} failed: {where}{failure.describe()}; see {log_path}[/red]")
         if failure.bad_checkpoint and ckpt is not None and ckpt.is_dir():
             moved = checkpoints.quarantine(ckpt)
@@ -199,3 +215,17 @@ class Recovery:
         else:
             self.console.print(f"[yellow]cona: {what}: marked infeasible; continuing with {stage.strategy}[/yellow]")
         return stage
+
+
+def _step(ckpt: Path | None) -> int:
+    return checkpoints.checkpoint_step(ckpt) if ckpt else 0
+
+
+def _trainer_state(ckpt: Path | None) -> dict[str, Any] | None:
+    """The checkpoint's trainer.json (read before as a usable checkpoint's), None without a checkpoint."""
+    if ckpt is None:
+        return None
+    try:
+        return read_trainer_state(ckpt)
+    except ValueError:
+        return None

@@ -99,12 +99,21 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+KILL_WAIT_S = 10.0  # after SIGKILL, for a process group's processes to be gone
+
+
 def wait_for_group(pgid: int, grace_s: float) -> None:
-    """Let an orphaned torchrun job (its controller was killed) finish its checkpoint, then kill it."""
+    """Let a process group that outlived what controlled it (an orphaned torchrun job, a failed launch's
+    ranks) finish its checkpoint for up to `grace_s`, then SIGKILL it and wait (bounded) for it to go."""
     deadline = time.monotonic() + grace_s
-    while _group_alive(pgid):
-        if time.monotonic() > deadline:
-            os.killpg(pgid, signal.SIGKILL)
-            time.sleep(0.5)
-            return
+    while _group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.2)
+    if not _group_alive(pgid):
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + KILL_WAIT_S
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)

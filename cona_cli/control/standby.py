@@ -7,7 +7,10 @@ strategy it expects next, the controller says so in `NNN.prepare.json` and CPU r
 model and optimizer while they wait. On a switch the controller writes the strategy, the committed
 checkpoint and the stop step to the hand-over; the ranks then load and step (building the layout
 first if it is not the prepared one), as a cold launch would, minus torchrun's and Python's start-up.
-A standby that died or was never started is simply not used: the launch starts cold.
+The hand-over names its launch and is sealed with the controller's telemetry token (`handover_seal`): a
+standby takes over only a hand-over to the launch it was started for, from the controller that started
+it (an orphan of an earlier controller of the run leaves instead). A standby that died or was never
+started is simply not used: the launch starts cold.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from cona_cli.config import Config
 from cona_cli.control.jobs import EventLog
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.runstate import RunState, write_atomic
-from cona_cli.rundir import RunDir
+from cona_cli.rundir import RunDir, handover_seal
 from cona_cli.strategy import Strategy
 
 
@@ -63,10 +66,13 @@ class Standby:
         write_atomic(run.prepare(self.launch), json.dumps({"strategy": str(strategy)}))
         self.prepared = strategy
 
-    def hand_over(self, run: RunDir, stage: Stage, resume: Path | None) -> None:
+    def hand_over(self, run: RunDir, stage: Stage, resume: Path | None, token: str) -> None:
         """Give the waiting ranks their launch: strategy, checkpoint, stop step, and the strategy they
-        were told to prepare (a rank that missed that file builds it now, in step with the others)."""
+        were told to prepare (a rank that missed that file builds it now, in step with the others), sealed
+        with the controller's telemetry `token`."""
         doc = {
+            "launch": self.launch,
+            "seal": handover_seal(token, self.launch),
             "strategy": str(stage.strategy),
             "resume": str(resume.absolute()) if resume else None,
             "stop_step": stage.stop_step,
@@ -94,8 +100,16 @@ class StandbyPool:
     """The controller's one pre-warmed standby: when to start it, what it prepares, who takes it over."""
 
     def __init__(
-        self, cfg: Config, files: RunDir, policy: Policy, events: EventLog, state: RunState, start: StartJob
+        self,
+        cfg: Config,
+        files: RunDir,
+        policy: Policy,
+        events: EventLog,
+        state: RunState,
+        start: StartJob,
+        token: str,
     ) -> None:
+        """`token`: the controller's telemetry token, which seals its hand-overs."""
         self.cfg, self.files, self.policy, self.events, self.state, self.start = (
             cfg,
             files,
@@ -104,6 +118,7 @@ class StandbyPool:
             state,
             start,
         )
+        self.token = token
         self.standby: Standby | None = None
 
     def maybe_start(self, launch: int, relaunch_expected: Strategy | None, step: int) -> None:
@@ -157,7 +172,7 @@ class StandbyPool:
         """Give the standby its launch; it leaves the pool."""
         sb = self.standby
         assert sb is not None
-        sb.hand_over(self.files, stage, resume)
+        sb.hand_over(self.files, stage, resume, self.token)
         self.standby, self.state.standby_pids = None, []
         return sb
 
