@@ -360,12 +360,12 @@ def test_the_controller_acts_on_the_first_stage_of_a_queued_batch() -> None:
     seen: list[int] = []
     stages = {1: "first", 2: "second"}
 
-    def handle(msg: dict, prev: object, progress: object) -> object:
+    def handle(msg: dict, prev: object) -> object:
         seen.append(msg["i"])
         return stages.get(msg["i"])
 
     controller._handle = handle  # type: ignore[method-assign]
-    assert controller._drain(None, None) == "first"  # type: ignore[arg-type]
+    assert controller._drain(None) == "first"
     assert seen == [0, 1, 2, 3]
 
 
@@ -381,8 +381,8 @@ def test_rows_of_another_launch_than_the_running_one_are_ignored_and_logged() ->
         controller.telemetry.messages.put({"type": "metric", "kind": "step", "step": 5, "launch": launch})
     controller.telemetry.messages.put({"type": "sync", "step": 5, "launch": 2})
     seen: list[int] = []
-    controller._handle = lambda msg, prev, progress: seen.append(msg["launch"])  # type: ignore[method-assign]
-    assert controller._drain(None, None) is None  # type: ignore[arg-type]
+    controller._handle = lambda msg, prev: seen.append(msg["launch"])  # type: ignore[method-assign]
+    assert controller._drain(None) is None
     assert seen == [3] and controller._sync_step is None
     assert warned == ["ignoring rows of launch 2: launch 3 is running"]
 

@@ -1,5 +1,7 @@
 """The virtual clock end to end: two runs of one config and seed under policy cona, the second beside a
-CPU-bound process, make the same decisions at the same steps and write the same rows."""
+CPU-bound process, make the same decisions at the same steps and write the same rows. The embedded
+default as `make demo` runs it (here on the virtual clock), and its console without a terminal: plain
+status lines and a line per decision and switch."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ ROW_KEYS = ("kind", "step", "time", "iter_s", "loss", "val_ppl", "gbs", "mbs", "
 BURN = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end:\n    sum(range(10000))\n"
 
 
-def _train(run: Path) -> None:
+def _train(run: Path) -> str:
     args = ["--set", "train.clock=virtual", "--set", "train.max_steps=200", "--run-dir", str(run)]
     proc = subprocess.run(
         [sys.executable, "-c", "from cona_cli.app import main; main()", "train", "configs/tiny.yaml", *args],
@@ -28,6 +30,7 @@ def _train(run: Path) -> None:
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
 
 
 def _lines(path: Path) -> list[dict]:
@@ -45,7 +48,7 @@ def _decisions(run: Path) -> list[tuple]:
 
 
 def test_two_runs_agree_step_for_step_whatever_the_hosts_load(tmp_path: Path) -> None:
-    _train(tmp_path / "idle")
+    console = _train(tmp_path / "idle")
     burner = subprocess.Popen([sys.executable, "-c", BURN])
     try:
         _train(tmp_path / "loaded")
@@ -60,5 +63,12 @@ def test_two_runs_agree_step_for_step_whatever_the_hosts_load(tmp_path: Path) ->
     assert all(d[5] > 0 for d in switches)  # an in-place resize is charged one step
     walls = [r["wall_time"] for r in _lines(tmp_path / "loaded" / "metrics.jsonl") if r["kind"] == "step"]
     assert all(w is not None for w in walls)  # the host's time stays beside the virtual one
+    lines = console.splitlines()
+    decided = [line for line in lines if line.startswith("cona: decide  step ")]
+    switched = [line for line in lines if line.startswith("cona: switch  step ")]
+    assert len(switched) == len(switches) and len(decided) >= len(switches)
+    assert f"step {switches[0][1]}:" in switched[0] and "(in place," in switched[0]
+    status = [line for line in lines if line.startswith("cona: step ")]
+    assert status and all(" tok/s  MFU " in line and " s left" in line for line in status)
     clock = json.loads((tmp_path / "idle" / "clock.json").read_text())
     assert clock["source"] == "measured" and len(clock["table"]) == len({r["gbs"] for r in idle if r["gbs"]})

@@ -16,6 +16,7 @@ from cona_cli.config import Config, ConfigError
 from cona_cli.control.controller import Controller
 from cona_cli.control.preflight import preflight
 from cona_cli.control.resume import prepare_resume
+from cona_cli.control.run_console import LOG_FORMATS
 from cona_cli.control.run_setup import default_run_dir, prepare_run_dir, resolve_config
 from cona_cli.control.runstate import lock
 from cona_cli.overrides import parse_sets
@@ -47,6 +48,12 @@ def train_command(
     sets: list[str] | None = typer.Option(
         None, "--set", metavar="SECTION.KEY=VALUE", help="Override one config value (YAML), e.g. train.lr=3e-4."
     ),
+    log_format: str = typer.Option(
+        "auto",
+        "--log-format",
+        help="Console: rich (a progress bar), plain (a status line every 10 s, for log files), or auto (rich on a "
+        "terminal, else plain). Decisions, switches, checkpoints and restarts get a line in both.",
+    ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Validate config, data and feasibility and print the plan; launch nothing."
     ),
@@ -55,6 +62,8 @@ def train_command(
     if strategy is not None and chain is not None:
         raise fail("cona", "--strategy and --chain: give one of them")
     state = None
+    if log_format not in LOG_FORMATS:
+        raise fail("cona", f"--log-format: must be one of {', '.join(LOG_FORMATS)}")
     try:
         given = parse_sets(sets)
         if given and resume is not None:
@@ -84,7 +93,7 @@ def train_command(
             _warn_if_chaining_cannot_pay(cfg)
             prepare_run_dir(run_dir, config, cfg)
             lock(run_dir)
-        controller = Controller(cfg, run_dir, policy, console=err, verbose=verbose, resume=state)
+        controller = Controller(cfg, run_dir, policy, console=err, verbose=verbose, resume=state, log_format=log_format)
     except ConfigError as e:
         raise fail("cona", str(e)) from None
     except (ClusterError, SlurmError) as e:

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cona_cli.clock import ClockSpec
 from cona_cli.cluster.launchers import Agent, make_launcher
@@ -43,6 +42,7 @@ from cona_cli.control.jobs import EventLog, JobStarter, record_memory_estimate, 
 from cona_cli.control.metric_sinks import open_sinks
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.recovery import LaunchResult, NoUsableCheckpoint, Recovery, Stop
+from cona_cli.control.run_console import RunConsole
 from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict, wait_for_group
 from cona_cli.control.standby import StandbyPool
 from cona_cli.control.telemetry_server import TelemetryServer
@@ -65,8 +65,10 @@ class Controller:
         console: Console | None = None,
         verbose: bool = False,
         resume: RunState | None = None,
+        log_format: str = "auto",
     ) -> None:
-        """`resume`: the saved state of an earlier controller of this run (`cona train --resume`)."""
+        """`resume`: the saved state of an earlier controller of this run (`cona train --resume`);
+        `log_format`: the console's (`run_console.LOG_FORMATS`)."""
         self.cfg, self.run_dir, self.policy = cfg, run_dir, policy
         self.files = RunDir(run_dir)
         self.console = console or Console(stderr=True)
@@ -76,7 +78,8 @@ class Controller:
         self.run_start = time.time() - self.state.elapsed_s  # run time continues, the stopped gap excluded
         self.clock = self._clock_spec()
         self.sinks = open_sinks(cfg, self.files)  # TensorBoard, W&B
-        self.events = EventLog(self.files.events, self.run_start, self.sinks.event)
+        self.out = RunConsole(self.console, cfg, log_format)
+        self.events = EventLog(self.files.events, self.run_start, self._on_event)
         self.nodes = resolve_nodes(cfg.cluster)
         self.multi_node = is_multi_node(cfg.cluster)
         self.launcher = make_launcher(cfg.cluster)
@@ -144,8 +147,8 @@ class Controller:
         try:
             if self.multi_node:
                 check_shared(self.launcher, self.nodes, self.run_dir, self.cfg.cluster.probe_timeout_s)
-            with self._progress() as progress:
-                return self._run(progress)
+            with self.out:
+                return self._run()
         except ClusterError as e:
             self.console.print(f"[red]cona: {e}[/red]")
             return self._exit(1, "failed", self.last_metric.get("step", 0))
@@ -158,7 +161,11 @@ class Controller:
             self.telemetry.close()
             self.sinks.close()
 
-    def _run(self, progress: Progress) -> int:
+    def _on_event(self, event: dict[str, Any]) -> None:
+        self.sinks.event(event)
+        self.out.event(event)
+
+    def _run(self) -> int:
         ckpt: Path | None = None
         stage: Stage | None
         launch_reason: str | None = None
@@ -178,7 +185,7 @@ class Controller:
             if self.signal_received is not None:
                 return self._interrupted(None)
             self._save_state(stage, prev)
-            result, requested = self._run_launch(stage, ckpt, prev, progress, launch_reason)
+            result, requested = self._run_launch(stage, ckpt, prev, launch_reason)
             stage, outcome = self.stage, result.outcome
             if self.signal_received is not None:
                 return self._interrupted(outcome)
@@ -219,7 +226,7 @@ class Controller:
     # -- one launch --------------------------------------------------------------------------
 
     def _run_launch(
-        self, stage: Stage, resume: Path | None, prev: Prev | None, progress: Progress, reason: str | None
+        self, stage: Stage, resume: Path | None, prev: Prev | None, reason: str | None
     ) -> tuple[LaunchResult, Stage | None]:
         self.launch += 1
         self.stage, self._resizing, self._stop_id = stage, None, None
@@ -250,7 +257,7 @@ class Controller:
         self.state.agent_pids = [a.pid for a in agents]
         self._save_state(stage, prev)
         per_node = len(agents) > 1
-        requested, failed, exiting = self._follow(agents, prev, progress, outcome_path)
+        requested, failed, exiting = self._follow(agents, prev, outcome_path)
         if failed:
             self._wait_until_gone(agents)
         self._switch["outcome"] = self._run_time()
@@ -262,7 +269,7 @@ class Controller:
         outcome = json.loads(outcome_path.read_text()) if outcome_path.is_file() else None
         if outcome is not None:
             self.state.clock_s = max(self.state.clock_s, float(outcome.get("clock_s", outcome["time"])))
-        self._drain(prev, progress)
+        self._drain(prev)
         self._save_state(self.stage, prev)
         if not failed:
             stopped = self._stopped_on_its_own(outcome)
@@ -367,7 +374,7 @@ class Controller:
         self._exiting = []
 
     def _follow(
-        self, agents: list[Agent], prev: Prev | None, progress: Progress, outcome_path: Path
+        self, agents: list[Agent], prev: Prev | None, outcome_path: Path
     ) -> tuple[Stage | None, list[Agent], bool]:
         """Wait for every node's agent to end, handling telemetry, switch requests and signals.
         Returns the stage requested by the policy, the agents that failed, in the order seen, and
@@ -385,7 +392,7 @@ class Controller:
             if not failed and self._switch_committed(outcome_path, requested):
                 return requested, failed, True
             self.standbys.poll(int(self.last_metric.get("step", 0)))
-            switch_to = self._drain(prev, progress, wait=0.2)
+            switch_to = self._drain(prev, wait=0.2)
             if self._dirty:
                 self._save_state(self.stage, prev)
             if switch_to is not None and requested is None and self._resizing is None:
@@ -448,7 +455,7 @@ class Controller:
         self.stage, self._resizing, self._switch = stage, None, {}
         self.policy.resized(stage, seconds)
 
-    def _drain(self, prev: Prev | None, progress: Progress, wait: float = 0.0) -> Stage | None:
+    def _drain(self, prev: Prev | None, wait: float = 0.0) -> Stage | None:
         """Handle queued telemetry messages; returns the first stage the policy wants to switch to. The
         first, as when the rows arrive one at a time: what a loaded host queues must not change the
         decision acted on (a recorded run replays exactly, `cona_cli.simulate.replay`)."""
@@ -465,7 +472,7 @@ class Controller:
                 self._sync_step = int(msg["step"])
                 return switch_to
             else:
-                stage = self._handle(msg, prev, progress)
+                stage = self._handle(msg, prev)
                 switch_to = switch_to or stage
             try:
                 msg = self.telemetry.messages.get_nowait()
@@ -483,7 +490,7 @@ class Controller:
             self.recovery.warn(f"ignoring rows of launch {launch}: launch {self.launch} is running")
         return True
 
-    def _handle(self, msg: dict[str, Any], prev: Prev | None, progress: Progress) -> Stage | None:
+    def _handle(self, msg: dict[str, Any], prev: Prev | None) -> Stage | None:
         kind = msg.get("type")
         stage = self.stage
         assert stage is not None
@@ -501,6 +508,7 @@ class Controller:
             self.events.write("checkpoint", **{k: msg.get(k) for k in ("step", "path", "seconds", "bytes", "reason")})
         elif kind == "metric" and msg.get("kind") == "eval":
             self.last_eval = msg
+            self.out.eval(msg)
             self.policy.on_eval(msg)
         elif kind == "metric" and msg.get("kind") == "step":
             resizing = self._resizing
@@ -523,7 +531,7 @@ class Controller:
                     **{"from": prev[0].to_dict()},
                 )
                 self.policy.observe_switch(seconds, warm=phases["standby_ready"])
-            self._show(progress, stage)
+            self.out.step(msg, stage.strategy)
             switch_to = self.policy.on_metric(msg)
             if msg.get("launch") == self.launch:
                 self.standbys.maybe_start(self.launch + 1, self._relaunch_expected(), int(msg["step"]))
@@ -559,24 +567,3 @@ class Controller:
         if self.signal_received is not None:  # a second Ctrl-C: stop waiting politely
             raise KeyboardInterrupt
         self.signal_received = signum
-
-    def _progress(self) -> Progress:
-        return Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            console=self.console,
-            transient=False,
-        )
-
-    def _show(self, progress: Progress, stage: Stage) -> None:
-        m = self.last_metric
-        total = self.cfg.train.max_steps
-        info = f"loss {m['loss']:.3f}"
-        if self.last_eval:
-            info += f"  val ppl {self.last_eval['val_ppl']:.1f}"
-        info += f"  {stage.strategy}  {m['iter_s']:.2f} s/it"
-        if not progress.task_ids:
-            progress.add_task("step", total=total, info="")
-        progress.update(progress.task_ids[0], completed=m["step"], description=f"step {m['step']}", info=info)
