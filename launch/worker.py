@@ -126,9 +126,11 @@ class Worker:
         launch: int,
         device: torch.device | None = None,
         layout: Layout | None = None,
+        fresh: bool = True,
     ) -> None:
         """`device`: this rank's (default: the process group's, see `launch.device`); `layout`: mesh,
-        model and optimizer already built for `strategy` (a standby's), else built here."""
+        model and optimizer already built for `strategy` (a standby's), else built here; `fresh`: no
+        checkpoint is loaded after (only then is `model.init_from` read)."""
         self.cfg, self.run_dir, self.strategy, self.launch = cfg, run_dir, strategy, launch
         self.device = device or group_device()
         self.files = RunDir(run_dir)
@@ -145,7 +147,7 @@ class Worker:
         self.batches = Prefetcher(self.train_stream, self.device)  # on CUDA: the next step's built during this one
         self.valid_path = corpus.valid_path
         if layout is None or layout.strategy != strategy:
-            layout = build_layout(cfg, strategy, self.device, corpus.vocab_size)
+            layout = build_layout(cfg, strategy, self.device, corpus.vocab_size, fresh)
         self.prepared = layout.prepared
         self.mesh, self.pm, self.opt = layout.mesh, layout.pm, layout.opt
         self.dp_rank = self.mesh["dp"].get_local_rank()
@@ -804,7 +806,7 @@ def run(
         sys.exit(2)
     torch.set_num_threads(threads_per_rank())
     with exit_on_out_of_memory(lambda: strategy, device):
-        worker = Worker(cfg, run_dir, strategy, launch, device, layout if resume is not None else None)
+        worker = Worker(cfg, run_dir, strategy, launch, device, layout if resume is not None else None, resume is None)
     # SIGTERM from torchrun or the controller: finish the step, checkpoint, exit.
     signal.signal(signal.SIGTERM, lambda *_: _stop_on_signal(worker))
     if resume is not None:

@@ -4,14 +4,17 @@ decision, switch, checkpoint, restart and failure."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
+from cona_cli.app import app
 from cona_cli.config import config_from_dict
 from cona_cli.control.run_console import RunConsole, event_line
 from cona_cli.strategy import Strategy
-from tests.support import TINY
+from tests.support import TINY, write_config
 
 S8 = Strategy.parse("dp4-tp1-pp1-mbs2-gbs8")
 S16 = Strategy.parse("dp4-tp1-pp1-mbs4-gbs16")
@@ -80,3 +83,10 @@ def test_a_terminal_gets_the_bar_and_the_event_lines() -> None:
     text = out.getvalue()
     assert "step 3" in text and "tok/s" in text and "switch  step 3" in text
     assert not rc.plain
+
+
+def test_cona_train_refuses_an_unknown_log_format(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "tiny.yaml", TINY)
+    result = CliRunner().invoke(app, ["train", str(cfg), "--log-format", "json", "--run-dir", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "--log-format: must be one of auto, rich, plain" in result.stderr
+    assert not (tmp_path / "r").exists()
