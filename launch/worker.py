@@ -577,6 +577,7 @@ class Worker:
                 "val_ppl": val_ppl,
                 "consumed_samples": st.consumed_samples,
                 "launch": self.launch,
+                "wall_time": round(time.time() - self.run_start, 4),
             }
         )
         return val_ppl
