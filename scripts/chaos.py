@@ -2,11 +2,13 @@
 random moment or at a named point of the switch path (1 to --max-kills kills per run; `cona train
 --resume` after a controller kill), then check that every run finished with continuous steps and
 consumed samples, that each committed checkpoint loads, that no process of the run is left, how many
-steps a recovery lost and how many launches failed after the kills. Exits 1 if a run failed, a
-checkpoint was corrupted or a process outlived its run.
+steps a recovery lost, how many launches failed after the kills, and that its final validation loss lies
+within the spread of unkilled runs of its policy (--references per policy, run first; widened by
+--loss-tol). Exits 1 if a run failed, a checkpoint was corrupted, a process outlived its run or a final
+validation loss fell outside that spread.
 
     .venv/bin/python scripts/chaos.py 30 [--policy static,chain,cona] [--periodic on,off] [--seed 0]
-        [--steps 30] [--max-kills 2] [--kills worker,restart,...] [--keep]
+        [--steps 30] [--max-kills 2] [--kills worker,restart,...] [--references 2] [--loss-tol 0.01] [--keep]
 
 Runs cycle through the policies and the periodic-checkpoint settings (`on`: every 5 steps; `off`: the
 default time-based interval, which a 30-step run never reaches). What is killed, at random (SIGKILL):
@@ -22,7 +24,11 @@ default time-based interval, which a 30-step run never reaches). What is killed,
   handover       a standby's rank just after it read its hand-over, before it loads (chain;
                  CONA_TEST_DIE_AT_STEP=*:RANK:handover)
   resize         a rank just after an in-place resize took effect (cona; CONA_TEST_DIE_AT_STEP=*:RANK:resize)
-A kill whose moment never came in a run (cona did not resize, no standby started) is not counted.
+  sigterm        a rank, with SIGTERM, at a random step (a stray signal: the job checkpoints and is restarted)
+  disconnect     rank 0's telemetry connection, at a random step (CONA_TEST_DISCONNECT_AT_STEP)
+  load-error     every checkpoint load's first read fails with EIO once (CONA_TEST_LOAD_ERRNO; retried)
+A kill whose moment never came in a run (cona did not resize, no standby started, nothing loaded a
+checkpoint) is not counted.
 Saves linger 0.3 s (CONA_TEST_SAVE_DELAY_S) so that some kills land inside a checkpoint save.
 """
 
@@ -63,8 +69,14 @@ KILLS = (
     "standby-start",
     "handover",
     "resize",
+    "sigterm",
+    "disconnect",
+    "load-error",
 )
 HOOKS = {"switch-save": "save", "handover": "handover", "resize": "resize"}  # kills the worker makes itself
+# Faults the workers make themselves from their own variable: what sets it, and how to count them after.
+FAULTS = {"disconnect", "load-error"}
+FAILING = ("worker", "agent", "switch-save", "handover", "resize", "sigterm", "disconnect")  # each fails a launch
 FOR_POLICY = {"switch-save": ("chain",), "switch-handoff": ("chain", "cona"), "standby-start": ("chain",)}
 FOR_POLICY |= {"handover": ("chain",), "resize": ("cona",)}
 
@@ -218,6 +230,19 @@ def outcome_written(run: Path) -> int | None:
     return state.launch if state and reason in ("stage_end", "command") else None
 
 
+def fault_env(plan: list[str], rng: random.Random, steps: int) -> dict[str, str]:
+    """The variables that make the workers fault themselves for the drawn kills."""
+    hooks = {HOOKS[k] for k in plan if k in HOOKS}  # each fires once per run folder, however often drawn
+    specs = {"save": f"{chain_boundary(steps)}:{rng.randint(0, 1)}:save"}
+    specs |= {place: f"*:{rng.randint(0, 1)}:{place}" for place in ("handover", "resize")}
+    env = {"CONA_TEST_DIE_AT_STEP": ",".join(specs[h] for h in sorted(hooks))} if hooks else {}
+    if "disconnect" in plan:
+        env["CONA_TEST_DISCONNECT_AT_STEP"] = str(rng.randint(2, steps - 2))
+    if "load-error" in plan:
+        env["CONA_TEST_LOAD_ERRNO"] = "EIO"
+    return env
+
+
 def one_run(
     tmp: Path, rng: random.Random, steps: int, max_kills: int, policy: str, periodic: bool, allowed: list[str]
 ) -> dict:
@@ -227,12 +252,23 @@ def one_run(
     run = tmp / "run"
     kinds = [k for k in allowed if policy in FOR_POLICY.get(k, POLICIES)]
     plan = [rng.choice(kinds) for _ in range(rng.choice(range(1, max_kills + 1)))]
-    hooks = {HOOKS[k] for k in plan if k in HOOKS}  # each fires once per run folder, however often drawn
-    specs = {"save": f"{chain_boundary(steps)}:{rng.randint(0, 1)}:save"}
-    specs |= {place: f"*:{rng.randint(0, 1)}:{place}" for place in ("handover", "resize")}
-    env = {"CONA_TEST_DIE_AT_STEP": ",".join(specs[h] for h in sorted(hooks))} if hooks else {}
-    proc = cona("train", str(cfg), "--run-dir", str(run), env=env)
+    env = fault_env(plan, rng, steps)
     kills = dict.fromkeys(KILLS, 0)
+    proc = kill_as_planned(run, cona("train", str(cfg), "--run-dir", str(run), env=env), plan, rng, env, kills)
+    _, err = proc.communicate(timeout=600)
+    for kind, place in HOOKS.items():
+        kills[kind] = sum(1 for _ in run.glob(f".test-died-*-{place}"))
+    kills["disconnect"] = sum(1 for _ in run.glob(".test-disconnected-*"))
+    logs = run.glob("logs/*.log")
+    kills["load-error"] = sum("reading checkpoint" in log.read_text(errors="replace") for log in logs)
+    return {"policy": policy, "periodic": periodic, "kills": kills, **assess(run, doc, steps, proc.returncode, err)}
+
+
+def kill_as_planned(
+    run: Path, proc: subprocess.Popen, plan: list[str], rng: random.Random, env: dict[str, str], kills: dict
+) -> subprocess.Popen:
+    """Make the kills of `plan` that come from outside (the workers make the others themselves); returns
+    the controller in charge at the end (`--resume` starts a new one after a controller kill)."""
 
     def kill_controller(kind: str) -> None:
         nonlocal proc
@@ -241,7 +277,7 @@ def one_run(
         kills[kind] += 1
         proc = cona("train", "--resume", str(run), env=env)
 
-    for kind in (k for k in plan if k not in HOOKS):
+    for kind in (k for k in plan if k not in HOOKS and k not in FAULTS):
         if kind == "switch-handoff":
             seen = outcome_written(run) or 0  # not the outcome of a launch already past
             if wait_for(proc, lambda seen=seen: (outcome_written(run) or 0) > seen):
@@ -259,11 +295,12 @@ def one_run(
         if proc.poll() is not None:
             break
         state = RunState.load(run)
-        pids = worker_pids(run) if kind in ("worker", "restart") else state.agent_pids[:1] if state else []
+        ranks = kind in ("worker", "restart", "sigterm")
+        pids = worker_pids(run) if ranks else state.agent_pids[:1] if state else []
         if kind == "controller" or not pids:
             kill_controller("controller")
             continue
-        os.kill(rng.choice(pids), signal.SIGKILL)
+        os.kill(rng.choice(pids), signal.SIGTERM if kind == "sigterm" else signal.SIGKILL)
         if kind != "restart":
             kills[kind] += 1
             continue
@@ -277,23 +314,23 @@ def one_run(
         if restarted is not None:
             os.kill(restarted.agent_pids[0], signal.SIGKILL)
             kills[kind] += 1
-    _, err = proc.communicate(timeout=600)
-    for kind, place in HOOKS.items():
-        kills[kind] = sum(1 for _ in run.glob(f".test-died-*-{place}"))
+    return proc
+
+
+def final_val_loss(run: Path, steps: int) -> float | None:
+    """The validation loss at the run's last step (its final evaluation; the last row of it that stands)."""
+    evals = [r for r in rows(run / "metrics.jsonl") if r.get("kind") == "eval" and r.get("step") == steps]
+    return evals[-1]["val_loss"] if evals else None
+
+
+def assess(run: Path, doc: dict, steps: int, returncode: int | None, err: str) -> dict:
+    """What a finished run left: whether it completed, its failures, the steps a recovery lost, corrupt
+    checkpoints, processes left, its final validation loss."""
     step_rows = [r for r in rows(run / "metrics.jsonl") if r.get("kind") == "step"]
-    final = {r["step"]: r for r in step_rows}
     leftover = job_processes(run)
-    ok = proc.returncode == 0 and continuous(step_rows, steps) and not leftover
+    ok = returncode == 0 and continuous(step_rows, steps) and not leftover
     lost = 0
     events = rows(run / "events.jsonl")
-    failures = sum(e.get("kind") == "failure" for e in events)
-    # Each kill of a rank or an agent fails its launch at most once (not when it hit a job whose controller
-    # was dead: the job just stops); any failure beyond those is recovery's own (a relaunch refused a
-    # checkpoint, a resumed job collided with a live one, ...).
-    # A restart kill fails two launches (the killed one and the restart); a standby killed before its
-    # hand-over fails none (the next launch starts cold).
-    expected = sum(kills[k] for k in ("worker", "agent", "switch-save", "handover", "resize")) + 2 * kills["restart"]
-    extra_failures = max(0, failures - expected)
     for e in events:  # steps reached before a recovery minus the step it restored
         if e.get("kind") == "launch" and e.get("reason") in ("restart", "resume"):
             reached = max((r["step"] for r in step_rows if r["wall_clock"] < e["wall_clock"]), default=0)
@@ -305,20 +342,52 @@ def one_run(
     corrupt += sum(1 for p in root.iterdir() if p.name.startswith("bad")) if root.is_dir() else 0
     return {
         "ok": ok,
-        "policy": policy,
-        "periodic": periodic,
-        "kills": kills,
-        "failures": failures,
-        "extra_failures": extra_failures,
+        "failures": sum(e.get("kind") == "failure" for e in events),
         "lost": lost,
         "corrupt": corrupt,
         "leftover": leftover,
-        "loss": final.get(steps, {}).get("loss"),
+        "val_loss": final_val_loss(run, steps),
         "err": "" if ok else err[-1500:],
     }
 
 
-def main() -> int:
+def extra_failures(r: dict) -> int:
+    """Failed launches beyond the kills'. Each kill of a rank or an agent, a rank's SIGTERM and a dropped
+    connection fail their launch at most once (not when they hit a job whose controller was dead: the job
+    just stops); a restart kill fails two (the killed launch and the restart); a standby killed before its
+    hand-over and a transient load error fail none. Any other is recovery's own (a relaunch refused a
+    checkpoint, a resumed job collided with a live one, ...)."""
+    expected = sum(r["kills"][k] for k in FAILING) + 2 * r["kills"]["restart"]
+    return max(0, r["failures"] - expected)
+
+
+def reference_losses(base: Path, policies: list[str], periodic: list[str], n: int, steps: int) -> dict:
+    """Final validation losses of `n` unkilled runs per policy (cycling through the periodic settings)."""
+    out: dict[str, list[float]] = {}
+    for policy in policies:
+        for i in range(n):
+            tmp = base / f"reference-{policy}-{i}"
+            tmp.mkdir(parents=True)
+            doc = config_doc(steps, policy, periodic[i % len(periodic)] == "on")
+            proc = cona("train", str(write_config(tmp / "tiny.yaml", doc)), "--run-dir", str(tmp / "run"))
+            _, err = proc.communicate(timeout=600)
+            loss = final_val_loss(tmp / "run", steps)
+            if proc.returncode != 0 or loss is None:
+                raise SystemExit(f"chaos: the unkilled {policy} run failed:\n{err[-1500:]}")
+            out.setdefault(policy, []).append(loss)
+            print(f"unkilled {policy} run {i + 1}/{n}: final validation loss {loss:.4f}", flush=True)
+    return out
+
+
+def in_spread(loss: float | None, spread: list[float] | None, tol: float) -> bool:
+    """Whether a final validation loss lies within the unkilled runs' [min, max], widened by `tol` (True
+    without unkilled runs to compare with)."""
+    if not spread:
+        return True
+    return loss is not None and min(spread) - tol <= loss <= max(spread) + tol
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("n", type=int, help="number of runs")
     parser.add_argument("--policy", default="static", help=f"comma-separated, cycled over runs ({', '.join(POLICIES)})")
@@ -327,45 +396,45 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30, help="steps per run (a checkpoint every 5)")
     parser.add_argument("--max-kills", type=int, default=2, help="kills per run: 1 to this many, at random")
     parser.add_argument("--kills", default=",".join(KILLS), help="comma-separated kinds of kill to draw from")
+    parser.add_argument("--references", type=int, default=2, help="unkilled runs per policy (0: no loss check)")
+    parser.add_argument("--loss-tol", type=float, default=0.01, help="widens the unkilled runs' loss spread")
     parser.add_argument("--keep", action="store_true", help="keep the run folders")
     args = parser.parse_args()
-    if args.n < 1 or args.steps < 6 or args.max_kills < 1:
-        parser.error("n and --max-kills must be >= 1, --steps >= 6")
-    policies, periodic = args.policy.split(","), args.periodic.split(",")
-    if not set(policies) <= set(POLICIES):
+    if args.n < 1 or args.steps < 6 or args.max_kills < 1 or args.references < 0:
+        parser.error("n and --max-kills must be >= 1, --steps >= 6, --references >= 0")
+    args.policies, args.periodic_settings = args.policy.split(","), args.periodic.split(",")
+    if not set(args.policies) <= set(POLICIES):
+        unknown = ", ".join(sorted(set(args.policies) - set(POLICIES)))
+        parser.error(f"--policy: unknown {unknown} (known: {', '.join(POLICIES)})")
+    args.allowed = args.kills.split(",")
+    if not set(args.allowed) <= set(KILLS):
         parser.error(
-            f"--policy: unknown {', '.join(sorted(set(policies) - set(POLICIES)))} (known: {', '.join(POLICIES)})"
+            f"--kills: unknown {', '.join(sorted(set(args.allowed) - set(KILLS)))} (known: {', '.join(KILLS)})"
         )
-    allowed = args.kills.split(",")
-    if not set(allowed) <= set(KILLS):
-        parser.error(f"--kills: unknown {', '.join(sorted(set(allowed) - set(KILLS)))} (known: {', '.join(KILLS)})")
-    for policy in policies:
-        if not any(policy in FOR_POLICY.get(k, POLICIES) for k in allowed):
+    for policy in args.policies:
+        if not any(policy in FOR_POLICY.get(k, POLICIES) for k in args.allowed):
             parser.error(f"--kills: none of {args.kills} applies to policy {policy}")
-    if not set(periodic) <= {"on", "off"}:
+    if not set(args.periodic_settings) <= {"on", "off"}:
         parser.error(f"--periodic: {args.periodic!r}: give on, off or on,off")
-    rng = random.Random(args.seed)
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    base = Path(tempfile.mkdtemp(prefix="cona-chaos-"))
-    os.environ.setdefault("CONA_CACHE", str(base / "cache"))
-    ENV.setdefault("CONA_CACHE", os.environ["CONA_CACHE"])
-    results, t0 = [], time.monotonic()
-    for i in range(args.n):
-        policy, on = policies[i % len(policies)], periodic[(i // len(policies)) % len(periodic)] == "on"
-        r = one_run(base / f"run{i:03d}", rng, args.steps, args.max_kills, policy, on, allowed)
-        results.append(r)
-        killed = ", ".join(f"{k} {n}" for k, n in r["kills"].items() if n) or "none"
-        print(
-            f"run {i + 1}/{args.n} ({policy}, periodic {'on' if on else 'off'}): "
-            f"{'completed' if r['ok'] else 'FAILED'}, kills: {killed}; failures recorded {r['failures']}, "
-            f"beyond the kills {r['extra_failures']}, lost {r['lost']} steps, "
-            f"corrupt checkpoints {r['corrupt']}, processes left {len(r['leftover'])}, final loss {r['loss']}",
-            flush=True,
-        )
-        if r["err"]:
-            print(r["err"], flush=True)
-    print("\n| policy | periodic | runs | completed | kills | extra failures | most steps lost | corrupt | left |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    return args
+
+
+def describe(i: int, n: int, r: dict) -> str:
+    killed = ", ".join(f"{k} {c}" for k, c in r["kills"].items() if c) or "none"
+    loss = f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "none"
+    return (
+        f"run {i + 1}/{n} ({r['policy']}, periodic {'on' if r['periodic'] else 'off'}): "
+        f"{'completed' if r['ok'] else 'FAILED'}, kills: {killed}; failures recorded {r['failures']}, "
+        f"beyond the kills {r['extra_failures']}, lost {r['lost']} steps, corrupt checkpoints {r['corrupt']}, "
+        f"processes left {len(r['leftover'])}, final validation loss {loss}"
+        f"{'' if r['in_spread'] else ' (OUTSIDE the unkilled runs)'}"
+    )
+
+
+def print_table(results: list[dict], policies: list[str], periodic: list[str]) -> None:
+    head = "| policy | periodic | runs | completed | kills | extra failures | most steps lost | corrupt | left |"
+    print(f"\n{head} val loss outside |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for policy in policies:
         for on in sorted({p == "on" for p in periodic}, reverse=True):
             group = [r for r in results if r["policy"] == policy and r["periodic"] == on]
@@ -374,21 +443,52 @@ def main() -> int:
                 print(
                     f"| {policy} | {'on' if on else 'off'} | {len(group)} | {sum(r['ok'] for r in group)} | {kills} | "
                     f"{sum(r['extra_failures'] for r in group)} | {max(r['lost'] for r in group)} | "
-                    f"{sum(r['corrupt'] for r in group)} | {sum(len(r['leftover']) for r in group)} |"
+                    f"{sum(r['corrupt'] for r in group)} | {sum(len(r['leftover']) for r in group)} | "
+                    f"{sum(not r['in_spread'] for r in group)} |"
                 )
-    losses = {round(r["loss"], 4) for r in results if r["loss"] is not None}
-    print(f"\nruns completed:          {sum(r['ok'] for r in results)}/{args.n}")
+
+
+def print_summary(results: list[dict], spreads: dict[str, list[float]], tol: float) -> None:
+    print(f"\nruns completed:          {sum(r['ok'] for r in results)}/{len(results)}")
     by_kind = ", ".join(f"{k} {sum(r['kills'][k] for r in results)}" for k in KILLS)
     print(f"kills survived:          {sum(sum(r['kills'].values()) for r in results if r['ok'])} ({by_kind})")
     # A rank killed with SIGKILL fails its launch: the controller records a failure and restarts.
     print(f"launch failures recorded: {sum(r['failures'] for r in results)}")
     print(f"checkpoints corrupted:   {sum(r['corrupt'] for r in results)}")
     print(f"largest loss of progress: {max((r['lost'] for r in results), default=0)} steps")
-    print(f"final losses (distinct): {sorted(losses)}")
+    losses = sorted({round(r["val_loss"], 4) for r in results if r["val_loss"] is not None})
+    print(f"final validation losses (distinct): {losses}")
+    ranges = ", ".join(f"{p} [{min(v):.4f}, {max(v):.4f}]" for p, v in spreads.items()) or "none run"
+    inside = sum(r["in_spread"] for r in results)
+    print(f"within the unkilled runs' spread (+-{tol:g}): {inside}/{len(results)} (unkilled: {ranges})")
+
+
+def main() -> int:
+    args = parse_args()
+    rng = random.Random(args.seed)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    base = Path(tempfile.mkdtemp(prefix="cona-chaos-"))
+    os.environ.setdefault("CONA_CACHE", str(base / "cache"))
+    ENV.setdefault("CONA_CACHE", os.environ["CONA_CACHE"])
+    t0 = time.monotonic()
+    spreads = reference_losses(base, args.policies, args.periodic_settings, args.references, args.steps)
+    results = []
+    for i in range(args.n):
+        policy = args.policies[i % len(args.policies)]
+        on = args.periodic_settings[(i // len(args.policies)) % len(args.periodic_settings)] == "on"
+        r = one_run(base / f"run{i:03d}", rng, args.steps, args.max_kills, policy, on, args.allowed)
+        r["extra_failures"] = extra_failures(r)
+        r["in_spread"] = in_spread(r["val_loss"], spreads.get(policy), args.loss_tol)
+        results.append(r)
+        print(describe(i, args.n, r), flush=True)
+        if r["err"]:
+            print(r["err"], flush=True)
+    print_table(results, args.policies, args.periodic_settings)
+    print_summary(results, spreads, args.loss_tol)
     print(f"wall time:               {time.monotonic() - t0:.0f} s  ({base})")
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
-    return 0 if all(r["ok"] and not r["corrupt"] and not r["leftover"] for r in results) else 1
+    return 0 if all(r["ok"] and not r["corrupt"] and not r["leftover"] and r["in_spread"] for r in results) else 1
 
 
 if __name__ == "__main__":
