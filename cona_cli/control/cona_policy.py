@@ -449,7 +449,7 @@ def _trailing(trainer: dict[str, Any]) -> list[tuple[int, float, float]]:
     workers' own window (trainer.json `extra.gns`), which holds the same raw estimates the policy pooled."""
     entries = [
         (int(g), float(a), float(b))
-        for g, a, b in trainer["trainer"].get("extra", {}).get("gns", {}).get("entries", [])
+        for g, a, b in trainer.get("trainer", {}).get("extra", {}).get("gns", {}).get("entries", [])
     ]
     if not entries:
         return []
