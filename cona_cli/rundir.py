@@ -166,12 +166,18 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
+def step_of(path: Path) -> int:
+    """The step a checkpoint folder's name says (`step_000120`: 120; it grows past six digits), -1 if none."""
+    digits = path.name.removeprefix("step_")
+    return int(digits) if digits.isdigit() else -1
+
+
 def committed(root: Path) -> list[Path]:
-    """Checkpoint folders with a COMMITTED marker, newest first."""
+    """Checkpoint folders with a COMMITTED marker, highest step first."""
     if not root.is_dir():
         return []
     dirs = [d for d in root.iterdir() if d.name.startswith("step_") and (d / MARKER).is_file()]
-    return sorted(dirs, key=lambda d: d.name, reverse=True)
+    return sorted(dirs, key=step_of, reverse=True)
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:

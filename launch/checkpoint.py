@@ -302,7 +302,7 @@ def _storage_message(e: OSError, root: Path, model: torch.nn.Module, optimizer: 
     if e.errno in _NOT_WRITABLE:
         need = f"{root} must be writable by this user (uid {os.getuid()})"
         return f"cannot write checkpoint {path}: {_NOT_WRITABLE[e.errno]}; {need}"
-    newest = _newest_first(root)
+    newest = committed(root)
     size = _dir_bytes(newest[0]) if newest else _state_bytes(model, optimizer) * dist.get_world_size()
     try:
         free = f", {shutil.disk_usage(root).free / 1e6:.1f} MB free"
@@ -319,19 +319,9 @@ def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     return params + sum(t.numel() * t.element_size() for t in moments)
 
 
-def _newest_first(root: Path) -> list[Path]:
-    """The committed checkpoints under `root`, highest step first (by the number in the name)."""
-    return sorted(committed(root), key=_step_of, reverse=True)
-
-
-def _step_of(path: Path) -> int:
-    digits = path.name.removeprefix("step_")
-    return int(digits) if digits.isdigit() else -1
-
-
 def _prune(root: Path, keep: int) -> None:
     """Keep the `keep` committed checkpoints of the highest steps; drop stale temporary folders."""
-    for old in _newest_first(root)[keep:]:
+    for old in committed(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     for tmp in root.glob(".tmp-step_*"):
         shutil.rmtree(tmp, ignore_errors=True)

@@ -43,6 +43,12 @@ def results(request: pytest.FixtureRequest, every_family: dict) -> dict:
     return {"family": request.param, **every_family[request.param]}
 
 
+@pytest.fixture(scope="module")
+def gpt(every_family: dict) -> dict:
+    """The GPT family's results: what the other families share with it is checked once."""
+    return {"family": "gpt", **every_family["gpt"]}
+
+
 def test_every_layout_matches_single_process(results: dict) -> None:
     ref = results["reference"]
     counts = (6, 2) if results["family"] == "gpt" else (3, 1)  # the other families: where their code differs
@@ -72,22 +78,18 @@ def test_reshard_keeps_weights_moments_and_loss(results: dict) -> None:
     assert prepared == ([False, True, False, False] if results["family"] == "gpt" else [True, False])
 
 
-def test_a_checkpoint_one_rank_cannot_read_fails_every_rank(results: dict) -> None:
-    if results["family"] != "gpt":
-        pytest.skip("run for the GPT family only")
-    errors = results["load_failure"]
+def test_a_checkpoint_one_rank_cannot_read_fails_every_rank(gpt: dict) -> None:
+    errors = gpt["load_failure"]
     assert len(errors) == 4 and len(set(errors)) == 1, errors
-    last = f"ckpt_{len(results['reshard']) - 1}"  # the last reshard pair's checkpoint
+    last = f"ckpt_{len(gpt['reshard']) - 1}"  # the last reshard pair's checkpoint
     assert "cannot load (ValueError: shard garbled on this rank)" in errors[0] and last in errors[0]
 
 
-def test_an_in_place_resize_continues_as_a_relaunch_would(results: dict) -> None:
+def test_an_in_place_resize_continues_as_a_relaunch_would(gpt: dict) -> None:
     """Same losses, gradient norms, GNS measurements and validation loss after a resize under DDP, TP and
     dp = 1 as after a relaunch into the new batch from the checkpoint taken at the resize (GPT only)."""
-    if results["family"] != "gpt":
-        pytest.skip("run for the GPT family only")
-    assert len(results["resize"]) == 3
-    for r in results["resize"]:
+    assert len(gpt["resize"]) == 3
+    for r in gpt["resize"]:
         old, new = r["ran"]
         assert old.endswith("gbs8") and new.endswith("gbs16"), r  # the resize takes effect after its step
         assert r["consumed"] == [8 + 8 + 16 + 16 + 16] * 2, r
@@ -98,41 +100,33 @@ def test_an_in_place_resize_continues_as_a_relaunch_would(results: dict) -> None
         assert abs(r["eval"][0] - r["eval"][1]) <= 1e-5, r
 
 
-def test_a_model_that_fits_only_sharded_is_built_sharded_with_the_same_values(results: dict) -> None:
+def test_a_model_that_fits_only_sharded_is_built_sharded_with_the_same_values(gpt: dict) -> None:
     """Materialised after FSDP shards it: each rank's peak grows by its quarter and one whole parameter,
     well below the whole model in fp32 (which the old build allocated first), with the same init."""
-    if results["family"] != "gpt":
-        pytest.skip("run for the GPT family only")
-    r = results["sharded_start"]
+    r = gpt["sharded_start"]
     assert r["equal"], r
     assert r["whole_bytes"] > 300 * 2**20, r
     # a quarter (0.25), one whole parameter (0.08) and the host allocator's slack (0.1-0.3 measured)
     assert max(r["growth"]) < 0.75 * r["whole_bytes"], r
 
 
-def test_fsdp_skips_the_middle_micro_batches_reduce_scatters_once_its_ranks_agree_and_matches(
-    results: dict,
-) -> None:
-    if results["family"] != "gpt":
-        pytest.skip("run for the GPT family only")
-    r, ref = results["fsdp_unsharded"], results["reference"]
+def test_fsdp_skips_the_middle_micro_batches_reduce_scatters_once_its_ranks_agree_and_matches(gpt: dict) -> None:
+    r, ref = gpt["fsdp_unsharded"], gpt["reference"]
     assert r["accumulating"] == [False, False, True], r
     first, second, third = r["reduce_scatters"]
     assert first == second > 0 and third == first // 2, r  # 2 of the 4 micro-batches reduce-scatter
     for got, want in zip(r["losses"], ref, strict=False):
         assert abs(got - want) < 1e-3, (r["losses"], ref)
     assert len(r["losses"]) == 3
-    full = results["fsdp_unsharded_one_full"]  # one rank without room: none skips, all stay in step
+    full = gpt["fsdp_unsharded_one_full"]  # one rank without room: none skips, all stay in step
     assert full["accumulating"] == [False] * 3 and full["reduce_scatters"] == [first] * 3, full
     assert full["losses"][:2] == r["losses"][:2] and abs(full["losses"][2] - r["losses"][2]) < 1e-4
 
 
-def test_a_restored_snapshot_replays_its_steps_exactly(results: dict) -> None:
+def test_a_restored_snapshot_replays_its_steps_exactly(gpt: dict) -> None:
     """The in-memory snapshot (paired trials) under DDP+TP, PP and FSDP: after two steps and another
     (at the doubled batch where pp = 1), restoring it repeats the same two steps bit for bit (GPT only)."""
-    if results["family"] != "gpt":
-        pytest.skip("run for the GPT family only")
-    assert sorted(results["snapshot"]) == ["ddp-tp", "fsdp", "pp"]
-    for layout, r in results["snapshot"].items():
+    assert sorted(gpt["snapshot"]) == ["ddp-tp", "fsdp", "pp"]
+    for layout, r in gpt["snapshot"].items():
         assert len(r["first"]) == 2 and r["first"][0] != r["first"][1], (layout, r)
         assert r["replay"] == r["first"], (layout, r)

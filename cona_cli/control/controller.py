@@ -18,6 +18,7 @@ continues after the controller was stopped or killed.
 
 from __future__ import annotations
 
+import errno
 import json
 import queue
 import secrets
@@ -46,13 +47,15 @@ from cona_cli.control.run_console import RunConsole
 from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict, wait_for_group
 from cona_cli.control.standby import StandbyPool
 from cona_cli.control.telemetry_server import TelemetryServer
-from cona_cli.rundir import RunDir
+from cona_cli.rundir import RunDir, committed
 from cona_cli.strategy import Strategy, resizable
 
 INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGKILL
 NODE_FAILURE_GRACE_S = 20.0  # for the other nodes to stop after one node failed, before SIGKILL
 KILL_WAIT_S = 10.0  # after SIGKILL, before the local end (an ssh client) is abandoned
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGUSR1: 138}
+# The run folder cannot take the controller's state or events: it stops in one line (checkpoints stay).
+RUN_FOLDER_UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 Prev = tuple[Strategy, dict[str, Any]]  # strategy and outcome of the last launch that ended normally
 
 
@@ -155,11 +158,25 @@ class Controller:
         except NoUsableCheckpoint as e:
             self.console.print(f"[red]cona: {e}[/red]")
             return self._exit(1, "failed", self.last_metric.get("step", 0))
+        except OSError as e:
+            if e.errno not in RUN_FOLDER_UNWRITABLE:
+                raise
+            self.console.print(f"cona: {self._unwritable(e)}", markup=False, highlight=False, soft_wrap=True)
+            return 1  # (no exit event: the run folder takes no more writes)
         finally:
             self.standbys.drop()
             self._reap_exiting()
             self.telemetry.close()
             self.sinks.close()
+
+    def _unwritable(self, e: OSError) -> str:
+        """One line: the controller's own file that could not be written, and where the run stands."""
+        kept = committed(self.files.checkpoints)
+        where = f"its last checkpoint {kept[0]} is kept" if kept else "it has no checkpoint yet"
+        return (
+            f"cannot write {e.filename or self.run_dir}: {e.strerror}; the run stops ({where}; the workers "
+            f"checkpoint if they can); free space, then cona train --resume {self.run_dir}"
+        )
 
     def _on_event(self, event: dict[str, Any]) -> None:
         self.sinks.event(event)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cona_cli.config import Config, ModelConfig
-from cona_cli.rundir import MARKER, TRAINER_STATE, RunDir, read_trainer_state
+from cona_cli.rundir import MARKER, TRAINER_STATE, RunDir, read_trainer_state, step_of
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -27,12 +27,7 @@ def candidates(root: Path) -> list[Path]:
     is newer than `step_999999`; a name without a number comes last)."""
     if not root.is_dir():
         return []
-    return sorted((d for d in root.iterdir() if d.name.startswith("step_") and d.is_dir()), key=_step_of, reverse=True)
-
-
-def _step_of(path: Path) -> int:
-    digits = path.name.removeprefix("step_")
-    return int(digits) if digits.isdigit() else -1
+    return sorted((d for d in root.iterdir() if d.name.startswith("step_") and d.is_dir()), key=step_of, reverse=True)
 
 
 def checkpoint_step(path: Path) -> int:
