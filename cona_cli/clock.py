@@ -12,10 +12,11 @@ Everything else that takes time is charged on it too:
 - a checkpoint save, and its load: `CHECKPOINT_BYTES_PER_PARAM` bytes per parameter at `STORAGE_GBS`;
 - an in-place resize: one step of the new strategy.
 
-The table (`train.clock_table`): `measured` (each strategy's median step time on this host, measured by a
-short calibration pass the first time it runs, with its launch's start and one evaluation, and cached per
-config and host, `measured_cache`), a hardware profile (the planner's cost model on that cluster), or a
-mapping {strategy or gbs: seconds}.
+The table (`train.clock_table`): `measured` (each strategy's step time on this host: the mean and spread
+of a short calibration pass, steps as the run's own with their data, noise-scale norms and collectives,
+run the first time the strategy runs, with its launch's start and one evaluation, and cached per config
+and host, `measured_cache`), a hardware profile (the planner's cost model on that cluster), or a mapping
+{strategy or gbs: seconds}.
 The controller writes the resolved table to the run folder (`RunDir.clock`); the workers read it.
 """
 
@@ -40,7 +41,7 @@ STORAGE_GBS = 2.0  # checkpoint write and read bandwidth, GB/s
 FORWARD_SHARE = 1 / 3  # an evaluation token costs this share of a training token (no backward)
 DRIFT_SHARE = 0.36  # of the step factor's log variance: slow drift, the rest independent per step
 DRIFT_PERIODS = (173.0, 811.0)  # steps: the two sinusoids of the drift
-CALIBRATION_STEPS = (2, 8)  # a calibration pass: untimed steps, then timed ones
+CALIBRATION_STEPS = (3, 12)  # a calibration pass: untimed steps, then timed ones
 TIMING = ("seconds", "spread", "start_s", "eval_s")  # what a calibration measures of a strategy (`record`)
 
 

@@ -480,7 +480,7 @@ class Worker:
         mine = [0.0] * 4
         if self.rank == 0:
             if need:
-                timing = [math.exp(statistics.median(logs)), statistics.stdev(logs), self.start_wall, eval_s]
+                timing = [*step_seconds(logs), self.start_wall, eval_s]
                 spec.record(s, dict(zip(TIMING, timing)))
                 write_clock_spec(self.files, spec)
                 measured = ", ".join(f"{k} {v:.4g}" for k, v in zip(TIMING, timing))
@@ -497,21 +497,25 @@ class Worker:
         return time.perf_counter() - t0
 
     def _time_steps(self) -> list[float]:
-        """Seconds of `CALIBRATION_STEPS` training steps of the running strategy on the next batch (the
-        step's work and collectives), from and back to the state they started at."""
+        """Seconds of `CALIBRATION_STEPS` training steps of the running strategy on the batches that follow
+        (each step's data, work, noise-scale norms and collectives, as `train_step` does them), from and
+        back to the state they started at."""
         s, st, t = self.strategy, self.state, self.cfg.train
         snap = Snapshot.take(self.pm.model, self.opt)
-        micro = self.batches.take(BatchKey(st.consumed_samples, s.gbs, s.dp, self.dp_rank, s.mbs))
         warm, timed = CALIBRATION_STEPS
         times = []
         for i in range(warm + timed):
             t0 = time.perf_counter()
+            consumed = st.consumed_samples + i * s.gbs
+            micro = self.batches.take(BatchKey(consumed, s.gbs, s.dp, self.dp_rank, s.mbs))
             self.opt.zero_grad(set_to_none=True)
             if self.small is not None:
-                self.small.begin_step(measure=False)
+                self.small.begin_step(measure=True)
             self.pm.forward_backward(micro)
             self.pm.average_grads()
-            sums = self._sum_over_ranks([local_grad_sq(self.pm)] + [0.0] * (_CONTROL_SLOTS - 1 + 2 * s.world))
+            norms = [self.small.small_share(), self.small.big_share()] if self.small is not None else [0.0, 0.0]
+            rest = [0.0] * (_CONTROL_SLOTS - 3 + 2 * s.world)
+            sums = self._sum_over_ranks([local_grad_sq(self.pm), *norms, *rest])
             if t.grad_clip:
                 scale_grads(self.pm, (t.grad_clip / (sums[0].sqrt() + 1e-6)).clamp(max=1.0))
             self.opt.step()
@@ -750,6 +754,14 @@ def stop_cause(code: float, signals: float) -> str | None:
     if signals:
         return "signal"
     return {_STOP_LOST: "controller_lost", _STOP_TIME: "max_time"}.get(code)
+
+
+def step_seconds(logs: list[float]) -> tuple[float, float]:
+    """A strategy's table time and noise from the logs of its calibration steps: the log std σ, and the
+    time whose draws (times exp(σ·z), `cona_cli.clock.step_factor`) average to the steps' mean, since a
+    run's time is their sum."""
+    sigma = statistics.stdev(logs)
+    return statistics.fmean(math.exp(v) for v in logs) * math.exp(-sigma * sigma / 2), sigma
 
 
 def make_clock(cfg: Config, files: RunDir, run_start: float) -> WallClock:
