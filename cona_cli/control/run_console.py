@@ -1,6 +1,7 @@
 """What a run prints while it trains: on a terminal a progress bar, elsewhere (a Slurm job's output file,
 `--log-format plain`) a plain status line every `every_s` seconds; in both, one line per decision to
-switch, switch, checkpoint, restart and failure, as they happen.
+switch, switch, checkpoint and restart, as they happen (a failure that ends the run is the recovery's
+own one line).
 
 The status: step, training loss, last validation perplexity, tokens per second, MFU (the model's FLOPs
 per sample, forward and backward, times samples per second over the hardware profile's peak of every
@@ -43,8 +44,6 @@ def event_line(event: dict[str, Any]) -> str | None:
         return f"ckpt    step {step}: {event.get('reason')} checkpoint saved in {event.get('seconds', 0.0):.2f} s"
     if kind == "launch" and event.get("reason") in ("restart", "resume", "out_of_memory"):
         return f"launch  {event.get('launch')}: {event.get('reason')} from step {step}"
-    if kind == "failure":
-        return f"failed  launch {event.get('launch')}: exit code {event.get('exit_code')} (rank {event.get('rank')})"
     return None
 
 
