@@ -35,7 +35,7 @@ def _mapping(raw: dict[Any, float]) -> tuple[dict[str, float], dict[int, float]]
     return table, by_gbs
 
 
-def _modelled(cfg: Config, profile: str, workload: Workload, strategies: list[Strategy]) -> dict[str, float]:
+def _modelled(profile: str, workload: Workload, strategies: list[Strategy]) -> dict[str, float]:
     """The planner's step times of `strategies` on the cluster of hardware profile `profile`."""
     from cona_cli.planner.costmodel import as_array, iteration_time
     from cona_cli.planner.hardware import load_hardware
@@ -77,7 +77,7 @@ def clock_spec(cfg: Config, files: RunDir, strategies: list[Strategy]) -> ClockS
                 spec.take(Strategy.parse(name), {k: float(v) for k, v in entry.items()})
         return spec
     else:
-        spec.table = _modelled(cfg, table, workload, strategies)
+        spec.table = _modelled(table, workload, strategies)
     missing = [s for s in strategies if spec.seconds(s) is None]
     if missing:
         raise ConfigError(f"train.clock_table: no step time for {missing[0]}, which this run may use")
