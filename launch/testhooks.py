@@ -15,6 +15,9 @@ process fail with that error, as flaky shared storage does (a transient one is t
 `CONA_TEST_SAVE_DELAY_S=S` makes every rank linger S seconds inside each save (a wider window for
 random kills); `CONA_TEST_STEP_DELAY_S=S` makes every rank linger S seconds in each training step
 (so that time-based checkpoints fall between given steps on a host of any speed).
+
+The worker calls its faults through a `FaultHooks` object it is given: the base does nothing (production),
+`from_env` returns the one these variables drive where any of them is set.
 """
 
 from __future__ import annotations
@@ -77,3 +80,54 @@ def save_delay() -> None:
 
 def step_delay() -> None:
     _linger("CONA_TEST_STEP_DELAY_S")
+
+
+class FaultHooks:
+    """The worker's fault-injection points; this base injects nothing."""
+
+    def in_step(self, step: int) -> None:
+        """Inside step `step`, after the forward/backward and before the step's all-reduce."""
+
+    def in_save(self, step: int) -> None:
+        """Inside step `step`'s save, after this rank's shards are written and before the commit."""
+
+    def after_resize(self, step: int) -> None:
+        """Just after an in-place resize took effect after step `step`."""
+
+    def disconnect(self, step: int) -> bool:
+        """Whether rank 0 drops its telemetry connection in step `step`."""
+        return False
+
+
+class EnvFaults(FaultHooks):
+    """The faults the CONA_TEST_* variables ask for (module docstring), in run folder `run_dir`."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.run_dir, self.rank = run_dir, rank
+
+    def in_step(self, step: int) -> None:
+        maybe_die(self.run_dir, "step", step, self.rank)
+        step_delay()
+
+    def in_save(self, step: int) -> None:
+        save_delay()
+        maybe_die(self.run_dir, "save", step, self.rank)
+
+    def after_resize(self, step: int) -> None:
+        maybe_die(self.run_dir, "resize", step, self.rank)
+
+    def disconnect(self, step: int) -> bool:
+        return disconnect_due(self.run_dir, step)
+
+
+_WORKER_FAULTS = (
+    "CONA_TEST_DIE_AT_STEP",
+    "CONA_TEST_DISCONNECT_AT_STEP",
+    "CONA_TEST_SAVE_DELAY_S",
+    "CONA_TEST_STEP_DELAY_S",
+)
+
+
+def from_env(run_dir: Path, rank: int) -> FaultHooks:
+    """The worker's faults: those the environment asks for, else none."""
+    return EnvFaults(run_dir, rank) if any(os.environ.get(v) for v in _WORKER_FAULTS) else FaultHooks()
