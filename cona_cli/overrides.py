@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from cona_cli.config import ConfigError
+from cona_core.config import ConfigError
 
 # PyYAML reads 3e-4 (no dot) as a string; on the command line it is the number a user means.
 _EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")

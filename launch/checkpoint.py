@@ -51,7 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from cona_cli.rundir import MARKER, TRAINER_STATE, committed, read_trainer_state, step_dir
+from cona_core.exits import STORAGE_EXIT  # noqa: F401 (launch.worker exits with checkpoint.STORAGE_EXIT)
+from cona_core.rundir import MARKER, TRAINER_STATE, committed, read_trainer_state, step_dir
 from launch import testhooks
 from launch.device import is_out_of_memory
 
@@ -60,7 +61,6 @@ from launch.device import is_out_of_memory
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-STORAGE_EXIT = 5  # a worker whose checkpoint could not be written exits with this code (= control.failures')
 # Test hook: "STEP:ERRNO" (e.g. "8:ENOSPC") makes rank 0's write of trainer.json fail from that step on.
 _FAULT_ENV = "CONA_TEST_SAVE_ERRNO"
 _NO_ROOM = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded", errno.EFBIG: "file too large"}

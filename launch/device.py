@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from cona_cli.config import ClusterConfig, Config, ConfigError, read_yaml
+from cona_core.config import ClusterConfig, Config, ConfigError, read_yaml
 
 # Out of memory as each library words it (cona_cli/control/failures.py reads the same texts from a log):
 # torch's caching allocator ("CUDA out of memory. Tried to allocate ..."), a CUDA runtime call through

@@ -27,9 +27,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from cona_cli.config import ModelConfig
+from cona_core.config import ModelConfig
+from cona_core.shape import SPECIAL_TOKENS
 from launch.data.tokenize import byte_tokenizer
-from launch.models import SPECIAL_TOKENS, get_spec
+from launch.models import get_spec
 from launch.models.spec import HFExport
 
 # Special tokens by their conventional text -> the transformers roles they take.

@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from torch.distributed import run as torchrun
 from torch.distributed.launcher.api import elastic_launch
 
-from cona_cli.rundir import PEER_LOST, SIGNALLED_EXIT
+from cona_core.exits import PEER_LOST, SIGNALLED_EXIT
 
 FALLBACK_MASTER_PORT = 29500  # what torchrun sets when none is given (unused by the c10d rendezvous)
 # Forked ranks are watched as one group that reports only the first failure it sees: a rank that

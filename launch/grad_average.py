@@ -2,7 +2,7 @@
 with the backward passes.
 
 Each parameter's post-accumulate-grad hook counts the step's backward passes through it; after its
-last one the gradient is final, and a bucket (`launch.buckets`) whose gradients are all final is
+last one the gradient is final, and a bucket (`cona_core.buckets`) whose gradients are all final is
 all-reduced over the dp group at once, while backward goes on through the earlier layers (DDP's
 overlap). Buckets hold parameters in reverse definition order, the order backward finalises them,
 and are launched in index order so that every rank issues the same collectives in the same order.
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launch.buckets import BUCKET_BYTES, IN_FLIGHT, buckets
+from cona_core.buckets import BUCKET_BYTES, IN_FLIGHT, buckets
 from launch.dtensor_pieces import local_tensor
 
 BeforeReduce = Callable[[list[nn.Parameter]], None]

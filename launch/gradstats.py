@@ -26,7 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cona_cli.gns import measurable
+from cona_core.gns import measurable
 from launch.dtensor_pieces import counts_here, in_param_layout, local_tensor
 from launch.parallelize import ParallelModel
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from cona_cli.config import Config
-from cona_cli.strategy import Strategy
+from cona_core.config import Config
+from cona_core.strategy import Strategy
 from launch import checkpoint
 from launch.materialise import build_unallocated
 from launch.models import get_spec

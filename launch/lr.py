@@ -3,11 +3,11 @@
 `train.lr_scaling` picks the recipe; `lr_base_gbs` (b₀) is the batch the config's `lr` was tuned at.
 - adascale (the default): AdaScale's gain ratio in Adam's form. With G the noise scale of the
   Adam-preconditioned gradients, one step at batch b is worth r = (b/b₀)(b₀ + G)/(b + G) steps at b₀
-  (Johnson et al. 2020). The LR is lr·r^½ (the square-root form for Adam, as AdaptDL's AdamScale), and
-  warmup and decay run on the progress clock, Σ r·b₀ tokens, instead of raw tokens. The loss then
-  follows progress whatever sequence of batches produced it, and progress per second is
-  (b/T)(b₀ + G)/(b + G)/b₀, proportional to Φ = (b/T)/(b + G): the quantity the cona policy ranks
-  strategies by is the one the training follows. Until G is measured, r = 1.
+  (Johnson et al. 2020; `cona_core.efficiency.gain`). The LR is lr·r^½ (the square-root form for Adam,
+  as AdaptDL's AdamScale), and warmup and decay run on the progress clock, Σ r·b₀ tokens, instead of raw
+  tokens. The loss then follows progress whatever sequence of batches produced it, and progress per
+  second is (b/T)(b₀ + G)/(b + G)/b₀, proportional to Φ = (b/T)/(b + G): the quantity the cona policy
+  ranks strategies by is the one the training follows. Until G is measured, r = 1.
 - sqrt, linear, none: the peak LR times √(b/b₀), b/b₀ or 1; the schedule follows raw tokens.
 """
 
@@ -15,14 +15,8 @@ from __future__ import annotations
 
 import math
 
-from cona_cli.config import TrainConfig
-
-
-def gain(gbs: int, base_gbs: int, gns: float | None) -> float:
-    """r: how many steps at `base_gbs` one step at `gbs` is worth at noise scale `gns` (1 without one)."""
-    if gns is None or not gns > 0:
-        return 1.0
-    return (gbs / base_gbs) * (base_gbs + gns) / (gbs + gns)
+from cona_core.config import TrainConfig
+from cona_core.efficiency import gain
 
 
 def batch_scale(rule: str, gbs: int, base_gbs: int, gns: float | None = None) -> float:

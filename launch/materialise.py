@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cona_cli.config import ModelConfig
+from cona_core.config import ModelConfig
 from launch.models.common import copy_values
 from launch.models.spec import ModelSpec
 from launch.pretrained import pretrained_values

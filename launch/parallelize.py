@@ -22,8 +22,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cona_cli.config import ConfigError
-from cona_cli.strategy import Strategy
+from cona_core.config import ConfigError
+from cona_core.strategy import Strategy
 from launch.device import group_device
 from launch.dtensor_pieces import counts_here, in_param_layout, local_tensor
 from launch.grad_average import GradAverager

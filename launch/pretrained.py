@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from cona_cli.config import ModelConfig
-from cona_cli.pretrained import CONA_CONFIG, HF_CONFIG
+from cona_core.config import ModelConfig
+from cona_core.pretrained import CONA_CONFIG, HF_CONFIG
 from launch.models import get_spec
 from launch.models.spec import HFSource, ModelSpec
 

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from cona_cli.config import config_from_json
-from cona_cli.rundir import RunDir, handover_seal
-from cona_cli.strategy import Strategy
+from cona_core.config import config_from_json
+from cona_core.rundir import RunDir, handover_seal
+from cona_core.strategy import Strategy
 from launch import testhooks, worker
 from launch.data.corpus import CorpusInfo
 from launch.device import init_distributed, placement

@@ -36,8 +36,8 @@ WARM_STEPS = 3
 def ranks_main(run_dir: Path, strategy: str, rounds: int) -> None:
     import torch.distributed as dist
 
-    from cona_cli.config import config_from_json
-    from cona_cli.strategy import Strategy
+    from cona_core.config import config_from_json
+    from cona_core.strategy import Strategy
     from launch.worker import Worker
 
     dist.init_process_group("gloo")
@@ -49,8 +49,8 @@ def ranks_main(run_dir: Path, strategy: str, rounds: int) -> None:
         t0 = time.perf_counter()
         out = w.train_step(False)
         seconds = time.perf_counter() - t0
-        if out.written:
-            w.finish_pending()
+        if not out.control.writing:
+            w.checkpointer.finish()
         return seconds
 
     for _ in range(WARM_STEPS):
@@ -59,18 +59,18 @@ def ranks_main(run_dir: Path, strategy: str, rounds: int) -> None:
     for _ in range(rounds):
         plain += [step() for _ in range(5)]
         step()
-        w.async_group = None
+        w.checkpointer.async_group = None
         t0 = time.perf_counter()
-        path = w.save("periodic")
+        path = w.checkpointer.save("periodic")
         sync.append(time.perf_counter() - t0)
         nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         step()
-        w.async_group = background
-        w.save_periodic()
+        w.checkpointer.async_group = background
+        w.checkpointer.save_periodic()
         steps = []
-        while w.pending is not None:
+        while w.checkpointer.pending is not None:
             steps.append(step())
-        blocked.append(w.last_save_s)
+        blocked.append(w.checkpointer.last_save_s)
         during += steps
     if dist.get_rank() == 0:
         doc = {"plain": plain, "sync": sync, "blocked": blocked, "during": during, "bytes": nbytes}
@@ -80,8 +80,8 @@ def ranks_main(run_dir: Path, strategy: str, rounds: int) -> None:
 
 def scaled(config: Path, storage_gbs: float, copy_gbs: float, interval: float, share: float) -> str:
     """The same overheads for `config`'s model on its hardware profile, from the checkpoint's bytes."""
-    from cona_cli.config import load_config
     from cona_cli.planner.workload import Workload
+    from cona_cli.run_config import load_config
 
     cfg = load_config(config)
     params = Workload.from_config(cfg).shape.total_params
@@ -114,9 +114,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 1 or args.every <= 0 or args.storage_gbs <= 0 or args.copy_gbs <= 0:
         ap.error("--rounds must be >= 1 and --every, --storage-gbs, --copy-gbs > 0")
-    from cona_cli.config import TrainConfig
     from cona_cli.control.jobs import threads_per_proc
     from cona_cli.control.run_setup import make_policy, prepare_run_dir, resolve_config
+    from cona_core.config import TrainConfig
 
     cfg, _ = make_policy(resolve_config(args.config, args.strategy, None, None, args.data))
     defaults = TrainConfig()

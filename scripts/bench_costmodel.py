@@ -19,12 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from cona_cli.config import Config, load_config
 from cona_cli.planner.calibration import Calibrator, read_recording
 from cona_cli.planner.costmodel import as_array, iteration_time
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.workload import Workload
-from cona_cli.strategy import Strategy
+from cona_cli.run_config import load_config
+from cona_core.config import Config
+from cona_core.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 

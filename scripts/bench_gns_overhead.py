@@ -37,8 +37,8 @@ def ranks_main(run_dir: Path, gbs: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from cona_cli.config import config_from_json
-    from cona_cli.strategy import Strategy
+    from cona_core.config import config_from_json
+    from cona_core.strategy import Strategy
     from launch.worker import Worker
 
     dist.init_process_group("gloo")

@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cona_cli.control.run_setup import prepare_run_dir, resolve_config  # noqa: E402
-from cona_cli.rundir import RunDir  # noqa: E402
-from cona_cli.strategy import Strategy  # noqa: E402
+from cona_core.rundir import RunDir  # noqa: E402
+from cona_core.strategy import Strategy  # noqa: E402
 
 
 def measure_layouts(run_dir: Path, world: int, gbs: str, steps: int, rounds: int, min_s: float, mbs: str) -> dict:
@@ -89,7 +89,7 @@ def plain_vs_cona(run_dir: Path, gbs: int, steps: int) -> tuple[float, float]:
     """Median s/iter of a minimal plain loop and of cona's worker at (1,1,1), same model and batch."""
     import torch.distributed as dist
 
-    from cona_cli.config import config_from_json
+    from cona_core.config import config_from_json
     from launch.worker import Worker
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")

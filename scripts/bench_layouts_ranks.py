@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import launch.layout as layout_module
-from cona_cli.config import config_from_json
-from cona_cli.strategy import Strategy
+from cona_core.config import config_from_json
+from cona_core.strategy import Strategy
 from launch.worker import Worker
 
 MAX_MICROBATCHES = 16  # beyond this, tiny micro-batches only measure per-micro-batch overheads
@@ -130,7 +130,7 @@ def main() -> None:
     w = Worker(cfg, run_dir, Strategy.parse(f"dp{dist.get_world_size()}-tp1-pp1-mbs2-gbs{gbs_values[0]}"), launch=1)
     w.train_step(False)
     t0 = time.perf_counter()
-    path = w.save("periodic")
+    path = w.checkpointer.save("periodic")
     save_s = time.perf_counter() - t0
     nbytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     tp = 2 if dist.get_world_size() % 2 == 0 else 1

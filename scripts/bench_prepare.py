@@ -30,7 +30,7 @@ BATCH_CHARS = 1 << 22  # what the preparation hands encode_batch at once (launch
 
 CHILD = """
 import json, sys, time
-from cona_cli.config import DataConfig
+from cona_core.config import DataConfig
 from launch.data.corpus import prepare_corpus
 t0 = time.perf_counter()
 info = prepare_corpus(DataConfig(path=sys.argv[1], tokenizer=sys.argv[2], valid_path=sys.argv[3]))
@@ -53,7 +53,7 @@ def build_corpus(source: Path, out: Path, mb: int) -> int:
 
 def trained_tokenizer(source: Path, vocab: int, cache: Path) -> Path:
     """The BPE that `data.tokenizer: bpe` trains on the source folder, saved as tokenizer.json."""
-    from cona_cli.config import DataConfig
+    from cona_core.config import DataConfig
     from launch.data.corpus import prepare_corpus
 
     info = prepare_corpus(DataConfig(path=str(source), vocab_size=vocab, cache_dir=str(cache)))

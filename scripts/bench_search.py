@@ -12,11 +12,12 @@ import dataclasses
 import time
 from pathlib import Path
 
-from cona_cli.config import Config, config_from_dict, load_config
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.search import plan
 from cona_cli.planner.workload import Workload
+from cona_cli.run_config import load_config
+from cona_core.config import Config, config_from_dict
 
 REPO = Path(__file__).resolve().parent.parent
 

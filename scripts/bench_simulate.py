@@ -23,11 +23,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5, help="noise seeds of the timed table")
     args = parser.parse_args()
 
-    from cona_cli.config import load_config
     from cona_cli.control.cona_policy import ConaPolicy
     from cona_cli.planner.hardware import load_hardware
     from cona_cli.planner.space import gbs_ladder
     from cona_cli.planner.workload import Workload
+    from cona_cli.run_config import load_config
     from cona_cli.simulate.law import KaplanDynamics, KaplanLaw
     from cona_cli.simulate.world import Simulation, WorldSpec
 

@@ -54,11 +54,12 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cona_cli.config import ConfigError, apply_overrides, config_from_dict, load_config  # noqa: E402
 from cona_cli.overrides import parse_sets  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
 from cona_cli.report.crossing import crossing  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
+from cona_cli.run_config import load_config  # noqa: E402
+from cona_core.config import ConfigError, apply_overrides, config_from_dict  # noqa: E402
 
 AGAIN = "-again"  # suffix of the identical reruns made by --again
 RAMP = "ramp"  # Megatron's batch-size ramp (see ramp_variant)

@@ -51,10 +51,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cona_cli.config import config_from_dict  # noqa: E402
 from cona_cli.control import usable_checkpoints as checkpoints  # noqa: E402
 from cona_cli.control.runstate import RunState  # noqa: E402
-from cona_cli.rundir import RunDir, committed  # noqa: E402
+from cona_core.config import config_from_dict  # noqa: E402
+from cona_core.rundir import RunDir, committed  # noqa: E402
 from tests.support import TINY, write_config  # noqa: E402
 
 ENV = {**os.environ, "CONA_TEST_SAVE_DELAY_S": "0.3"}

@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cona_cli.planner.kappa import Curve, efficiency_clock, fit_kappa, predicted_token_ratio  # noqa: E402
-from cona_cli.planner.surrogate import phi  # noqa: E402
 from cona_cli.report.runlog import RunLog, read_run  # noqa: E402
+from cona_core.efficiency import phi  # noqa: E402
 
 
 def curve(log: RunLog) -> Curve:

@@ -87,7 +87,7 @@ def main() -> None:
 
     from gns_vocab_share import adam_preconditioner, one_process_run
 
-    from cona_cli.gns import two_batch_estimate
+    from cona_core.gns import two_batch_estimate
 
     torch, model, opt, stream, spec, cfg = one_process_run(args.config, args.data)
     m, t = cfg.model, cfg.train

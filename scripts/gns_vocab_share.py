@@ -29,11 +29,12 @@ def one_process_run(config: str, data: str | None) -> tuple:
     """(torch, model, AdamW, train stream, family spec, config): the config's seeded model in one process."""
     import torch
 
-    from cona_cli.config import load_config
+    from cona_cli.run_config import load_config
+    from cona_core.shape import SPECIAL_TOKENS
     from launch.data.corpus import prepare_corpus
     from launch.data.sampling import TokenStream
     from launch.materialise import build_model
-    from launch.models import SPECIAL_TOKENS, get_spec
+    from launch.models import get_spec
     from launch.optimizer import adamw
 
     cfg = load_config(config, {"data.path": data} if data else None)
@@ -68,7 +69,7 @@ def preconditioned_estimate(
 ) -> float:
     """B = tr(W Σ) / Gᵀ W G over `names` from independent batches of `b` samples' gradients, W = P^power
     (P from `adam_preconditioner`, with its `rescale`; power 0: the raw estimate)."""
-    from cona_cli.gns import two_batch_estimate
+    from cona_core.gns import two_batch_estimate
 
     weight = {k: p**power for k, p in adam_preconditioner(model, opt, names, rescale).items()}
 

@@ -34,11 +34,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from cona_cli.config import Config, config_from_dict
 from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.memory import memory_bytes
 from cona_cli.planner.workload import Workload
-from cona_cli.strategy import Strategy
+from cona_core.config import Config, config_from_dict
+from cona_core.strategy import Strategy
 from launch.data.corpus import CorpusInfo, prepare_corpus
 from launch.data.sampling import TokenStream
 from launch.device import init_distributed, reset_peak_memory, synchronize
@@ -194,9 +194,9 @@ def main() -> None:
         # One step under this layout, then its own save into a folder of its own: a restored Worker's
         # `saved` names the checkpoint it came from, and a save at that step would hand that one back.
         w.train_step(False)
-        w.ckpt_root = run_dir / f"reshard-{i}"
-        before, path = full_state(w), w.save("switch")
-        own = path.parent == w.ckpt_root
+        w.checkpointer.root = run_dir / f"reshard-{i}"
+        before, path = full_state(w), w.checkpointer.save("switch")
+        own = path.parent == w.checkpointer.root
         w = Worker(cfg, run_dir, nxt, i + 2, device)
         w.restore(path)
         after = full_state(w)

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cona_cli.control.run_setup import make_policy, prepare_run_dir, resolve_config  # noqa: E402
-from cona_cli.strategy import Strategy  # noqa: E402
+from cona_core.strategy import Strategy  # noqa: E402
 from launch.snapshot import Snapshot  # noqa: E402
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class Trainer:
         return time.perf_counter() - t0
 
     def loss(self) -> float:
-        return self.w.evaluate()[0]
+        return self.w.evaluator.evaluate()[0]
 
     def take(self) -> Snapshot:
         return Snapshot.take(self.w.pm.model, self.w.opt, (self.w.state, self.w.noise, self.w.strategy))

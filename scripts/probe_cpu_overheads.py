@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from cona_cli.config import ModelConfig
+from cona_core.config import ModelConfig
 from launch.models.gpt import GPT
 from launch.models.gpt import SPEC as GPT_SPEC
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cona_cli.config import config_from_dict
+from cona_core.config import config_from_dict
 from tests.support import TINY
 
 # One intra-op thread per process, torch in the test processes and every rank they start (the controller keeps

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cona_cli.config import config_from_dict
 from cona_cli.planner.memory import layer_activation_bytes
-from launch.models import get_spec, model_shape
+from cona_core.config import config_from_dict
+from cona_core.shape import model_shape
+from launch.models import get_spec
 from launch.recompute import recompute_blocks
 from tests.support import TINY
 

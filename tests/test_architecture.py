@@ -12,12 +12,12 @@ from tests.support import REPO
 PACKAGES = ("cona_cli", "launch")
 # What torchrun's workers (package `launch`) may import from the controller side.
 SHARED_WITH_WORKERS = {
-    "cona_cli.config",
-    "cona_cli.strategy",
-    "cona_cli.gns",
-    "cona_cli.rundir",
-    "cona_cli.clock",
-    "cona_cli.pretrained",
+    "cona_core.config",
+    "cona_core.strategy",
+    "cona_core.gns",
+    "cona_core.rundir",
+    "cona_core.clock",
+    "cona_core.pretrained",
 }
 
 
@@ -142,8 +142,9 @@ def test_workers_import_only_the_shared_modules_of_the_controller_side() -> None
 
 
 def test_the_registry_serves_every_family_the_config_accepts() -> None:
-    from cona_cli.config import MODEL_FAMILIES, ModelConfig
-    from launch.models import FAMILY_MODULES, SHAPES, get_spec, model_shape
+    from cona_core.config import MODEL_FAMILIES, ModelConfig
+    from cona_core.shape import SHAPES, model_shape
+    from launch.models import FAMILY_MODULES, get_spec
 
     assert set(FAMILY_MODULES) == set(SHAPES) == set(MODEL_FAMILIES)
     for family in MODEL_FAMILIES:

@@ -14,8 +14,8 @@ from cona_cli.planner.calibration import UNCALIBRATED_REL_STD, Calibrator
 from cona_cli.planner.costmodel import as_array, iteration_time
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.workload import Workload
-from cona_cli.strategy import Strategy
-from launch.models.shape import ModelShape
+from cona_core.shape import ModelShape
+from cona_core.strategy import Strategy
 from tests.support import REPO
 
 W = Workload(

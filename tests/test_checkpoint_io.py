@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from cona_cli import rundir
 from cona_cli.control import usable_checkpoints
+from cona_core import rundir
 from launch import checkpoint
 
 
@@ -99,7 +99,7 @@ def test_a_trainer_state_read_that_fails_once_is_retried(
         if len(calls) == 1:
             try:
                 raise _eio()
-            except OSError:  # as cona_cli.rundir says it: the I/O error is the context
+            except OSError:  # as cona_core.rundir says it: the I/O error is the context
                 raise ValueError(f"{at}: unreadable trainer.json") from None
         return real(at)
 

@@ -14,12 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from cona_cli import rundir
-from cona_cli.config import ConfigError, TrainConfig, config_from_dict
 from cona_cli.control import failures
 from cona_cli.control.policies import Stage
 from cona_cli.control.recovery import Recovery
-from cona_cli.strategy import Strategy
+from cona_core import rundir
+from cona_core.config import ConfigError, TrainConfig, config_from_dict
+from cona_core.exits import STORAGE_EXIT
+from cona_core.strategy import Strategy
 from tests.support import REPO, TINY, write_config
 
 STRATEGY = "dp2-tp1-pp1-mbs2-gbs16"
@@ -34,10 +35,7 @@ def test_periodic_checkpoints_are_on_by_default_and_the_share_is_checked() -> No
     assert off.train.checkpoint_interval_s is None
 
 
-def test_storage_exit_codes_agree_and_the_failure_is_read() -> None:
-    from launch import checkpoint
-
-    assert checkpoint.STORAGE_EXIT == failures.STORAGE_EXIT
+def test_a_storage_failure_is_read() -> None:
     line = "cona-worker: checkpoint not saved: cannot write checkpoint /r/.tmp-step_000008: no space left on device"
     log = f"[default0]:{line}\nRoot Cause (first observed failure):\n  rank : 0 (local_rank: 0)\n  exitcode : 5\n"
     failure = failures.parse_failure(log, 1)
@@ -164,7 +162,7 @@ def test_disk_full_stops_the_run_keeps_the_last_checkpoint_and_resumes(tmp_path:
     }
     proc = _cona(tmp_path, doc, env={"CONA_TEST_SAVE_ERRNO": "8:ENOSPC"})
     run = tmp_path / "run"
-    assert proc.returncode == failures.STORAGE_EXIT, proc.stderr[-3000:]
+    assert proc.returncode == STORAGE_EXIT, proc.stderr[-3000:]
     err = " ".join(proc.stderr.split())  # rich may wrap the line
     assert "checkpoint not saved: cannot write checkpoint" in err and "no space left on device; needs about" in err
     assert "the last good checkpoint" in err and "step_000004 is kept" in err

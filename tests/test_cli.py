@@ -10,9 +10,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from cona_cli import config, config_docs
+from cona_cli import config_docs
 from cona_cli.app import app
-from cona_cli.config import load_config
+from cona_cli.run_config import load_config
+from cona_core import config
 from tests.support import TINY, write_config
 
 runner = CliRunner()
@@ -202,7 +203,7 @@ def test_config_show_has_every_default(tiny: Path) -> None:
 def test_docs_config_md_is_current() -> None:
     committed = config_docs.DOC.read_text() if config_docs.DOC.is_file() else ""
     assert committed == config_docs.render(), (
-        f"docs/config.md is out of date with cona_cli/config.py: regenerate it with `{config_docs.COMMAND}`"
+        f"docs/config.md is out of date with cona_core/config.py: regenerate it with `{config_docs.COMMAND}`"
     )
 
 
@@ -226,7 +227,7 @@ def test_docs_list_every_field_with_its_meaning(tmp_path: Path) -> None:
                 cells = rows[f"{name}.{f.name}"]
                 if not cells[4]:
                     unexplained.append(f"{name}.{f.name}")
-    assert not unexplained, f"fields without a meaning (add a comment in cona_cli/config.py): {unexplained}"
+    assert not unexplained, f"fields without a meaning (add a comment in cona_core/config.py): {unexplained}"
     assert rows["train.lr"][1:4] == ["float", "`0.001`", "> 0"]
     assert rows["model.n_layers"][2] == "**required**"
     assert rows["model.family"][3] == "one of gpt, llama, bert"

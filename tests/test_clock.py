@@ -11,7 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cona_cli.clock import (
+from cona_cli.control.clock_table import clock_spec, describe
+from cona_cli.planner.costmodel import as_array, iteration_time
+from cona_cli.planner.hardware import load_hardware
+from cona_cli.planner.workload import Workload
+from cona_core.clock import (
     CHECKPOINT_BYTES_PER_PARAM,
     FORWARD_SHARE,
     STORAGE_GBS,
@@ -19,13 +23,9 @@ from cona_cli.clock import (
     VirtualClock,
     step_factor,
 )
-from cona_cli.config import ConfigError, config_from_dict
-from cona_cli.control.clock_table import clock_spec, describe
-from cona_cli.planner.costmodel import as_array, iteration_time
-from cona_cli.planner.hardware import load_hardware
-from cona_cli.planner.workload import Workload
-from cona_cli.rundir import RunDir
-from cona_cli.strategy import Strategy
+from cona_core.config import ConfigError, config_from_dict
+from cona_core.rundir import RunDir
+from cona_core.strategy import Strategy
 from tests.support import REPO, TINY, write_config
 
 S8 = Strategy.parse("dp4-tp1-pp1-mbs2-gbs8")

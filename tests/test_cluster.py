@@ -28,9 +28,10 @@ from cona_cli.cluster.nodes import (
 from cona_cli.cluster.sbatch import sbatch_script
 from cona_cli.cluster.shared_storage import check_shared
 from cona_cli.cluster.slurm import SlurmError, allocation_hosts, expand_nodelist
-from cona_cli.config import ClusterConfig, ConfigError, config_from_dict, load_config
 from cona_cli.control.failures import failed_host, parse_failure
 from cona_cli.control.jobs import GLIBC_MALLOC_ENV, allocator_env
+from cona_cli.run_config import load_config, resolve_allocation
+from cona_core.config import ClusterConfig, ConfigError, config_from_dict
 from tests.support import REPO, TINY, write_config
 
 
@@ -38,7 +39,7 @@ def _cfg(cluster: dict):
     doc = copy.deepcopy(TINY)
     doc["cluster"] = cluster
     doc["strategy"] = "dp4-tp1-pp1-mbs2-gbs16"
-    return config_from_dict(doc)
+    return config_from_dict(resolve_allocation(doc))
 
 
 def test_nodes_as_host_list_means_ssh_and_round_trips() -> None:

@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cona_cli.app import app
-from cona_cli.config import ConfigError, config_from_dict, load_config
+from cona_cli.run_config import load_config
+from cona_core.config import ConfigError, config_from_dict
 from tests.support import REPO, TINY, write_config
 
 BAD = [
@@ -88,7 +89,7 @@ def test_every_numeric_field_has_a_range() -> None:
     import dataclasses
     from typing import get_type_hints
 
-    from cona_cli import config
+    from cona_core import config
 
     for section in (
         config.ModelConfig,
@@ -114,7 +115,7 @@ def test_shipped_configs_are_valid() -> None:
 def test_round_trip_through_worker_json() -> None:
     import json
 
-    from cona_cli.config import config_from_json
+    from cona_core.config import config_from_json
 
     cfg = config_from_dict(
         _merge(
@@ -137,8 +138,8 @@ def test_round_trip_through_worker_json() -> None:
 
 def test_every_shipped_config_validates() -> None:
     """Each config under configs/ loads (chain files aside); those with a stop rule pass `train --dry-run`."""
-    from cona_cli.config import read_yaml
     from cona_cli.control.run_setup import complete_schedule
+    from cona_core.config import read_yaml
 
     runner = CliRunner()
     checked = 0

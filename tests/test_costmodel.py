@@ -5,12 +5,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cona_cli.config import ConfigError, load_config
 from cona_cli.planner.costmodel import as_array, iteration_time
 from cona_cli.planner.hardware import HARDWARE_DIR, hardware_from_dict, load_hardware
 from cona_cli.planner.workload import Workload
-from cona_cli.strategy import Strategy
-from launch.models.shape import ModelShape
+from cona_cli.run_config import load_config
+from cona_core.config import ConfigError
+from cona_core.shape import ModelShape
+from cona_core.strategy import Strategy
 
 W = Workload(
     ModelShape(n_layers=24, d_model=2048, n_heads=16, kv_heads=16, ffn=8192, seq_len=2048, vocab=50257),

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 import launch.data.corpus as data_mod
-from cona_cli.config import DataConfig
+from cona_core.config import DataConfig
 from launch.data.corpus import CorpusInfo, prepare_corpus
 from launch.data.prefetch import BatchKey, Prefetcher
 from launch.data.sampling import TokenStream, eval_batches, replica_microbatches
@@ -122,7 +122,7 @@ def test_streamed_array_is_a_plain_npy(tmp_path: Path) -> None:
 
 def test_concurrent_prepare_builds_once(tmp_path: Path) -> None:
     code = (
-        "import sys; from cona_cli.config import DataConfig; from launch.data.corpus import prepare_corpus; "
+        "import sys; from cona_core.config import DataConfig; from launch.data.corpus import prepare_corpus; "
         "print(prepare_corpus(DataConfig(vocab_size=400, synthetic_tokens=50_000, "
         f"cache_dir={str(tmp_path / 'c')!r}), seed=2).to_json())"
     )

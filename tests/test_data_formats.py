@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from cona_cli.config import ConfigError, DataConfig, config_from_dict
+from cona_core.config import ConfigError, DataConfig, config_from_dict
+from cona_core.shape import padded_vocab
 from launch.data.corpus import prepare_corpus
 from launch.data.sampling import TokenStream
 from launch.data.sources import FLAT_DOC_TOKENS, DataError
-from launch.models import padded_vocab
 from tests.support import REPO, TINY, write_config
 
 EOS = 256  # `byte` with a causal family: GPT-2's <|endoftext|> after the 256 bytes

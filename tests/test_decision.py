@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from cona_cli.control.switch_rule import Estimate, decide, phi_ratio
-from cona_cli.gns import NoiseInterval, pooled_noise_scale
-from cona_cli.planner.surrogate import phi
+from cona_cli.control.switch_rule import Estimate, decide
+from cona_core.efficiency import phi, phi_ratio
+from cona_core.gns import NoiseInterval, pooled_noise_scale
 
 Z95 = 1.6448536269514715
 

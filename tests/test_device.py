@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cona_cli.config import ConfigError, config_from_dict
 from cona_cli.control.failures import parse_failure
-from cona_cli.strategy import Strategy
+from cona_core.config import ConfigError, config_from_dict
+from cona_core.strategy import Strategy
 from launch import device
 from launch.worker import out_of_memory_line
 from tests.support import TINY

@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 
 from cona_cli.app import app
 from cona_cli.cluster.nodes import gpu_device_nodes
-from cona_cli.config import ConfigError
 from cona_cli.control.run_setup import prepare_run_dir, resolve_config
 from cona_cli.overrides import parse_sets
-from cona_cli.rundir import RunDir
+from cona_core.config import ConfigError
+from cona_core.rundir import RunDir
 from tests.support import REPO, TINY, write_config
 
 runner = CliRunner()

@@ -62,7 +62,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str]
 
 def _cona_logits(out: Path, tokens: torch.Tensor) -> torch.Tensor:
     """cona's own model, rebuilt from the torch export."""
-    from cona_cli.config import ModelConfig
+    from cona_core.config import ModelConfig
     from launch.models import get_spec
 
     meta = json.loads((out / "cona.json").read_text())

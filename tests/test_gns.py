@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cona_cli.gns import NoiseWindow, two_batch_estimate
+from cona_core.gns import NoiseWindow, two_batch_estimate
 from tests.support import REPO, TINY, torchrun
 
 
@@ -81,9 +81,9 @@ def test_estimator_rejects_degenerate_batches() -> None:
 
 def _family_run_dir(run_dir: Path, family: str) -> None:
     """Turn the tiny run folder into one of `family` (its model, and its corpus with its special tokens)."""
-    from cona_cli.config import config_from_dict
+    from cona_core.config import config_from_dict
+    from cona_core.shape import SPECIAL_TOKENS
     from launch.data.corpus import prepare_corpus
-    from launch.models import SPECIAL_TOKENS
 
     cfg = config_from_dict({**TINY, "model": {**TINY["model"], "family": family, **FAMILY_MODEL[family]}}, "tiny")
     (run_dir / "config.resolved.json").write_text(json.dumps(cfg.to_raw()))

@@ -23,11 +23,11 @@ from torch.distributed.checkpoint import filesystem
 from cona_cli.cluster import nodes as nodes_module
 from cona_cli.cluster.launchers import NODE_THREADS, LocalLauncher, SlurmLauncher, SshLauncher
 from cona_cli.cluster.nodes import Node, local_device_envs, resolve_nodes
-from cona_cli.config import ConfigError, config_from_dict
-from cona_cli.control.failures import REFUSED_EXIT, parse_failure
+from cona_cli.control.failures import parse_failure
 from cona_cli.control.jobs import threads_per_proc
-from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT
-from cona_cli.strategy import Strategy
+from cona_core.config import ConfigError, config_from_dict
+from cona_core.exits import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, REFUSED_EXIT
+from cona_core.strategy import Strategy
 from launch import checkpoint, device
 from tests.support import REPO, TINY, write_config
 
@@ -111,10 +111,10 @@ def test_an_nccl_out_of_memory_ends_the_rank_with_the_out_of_memory_exit_and_its
     script = textwrap.dedent(
         f"""
         import torch.distributed as dist
-        from cona_cli.strategy import Strategy
+        from cona_core.strategy import Strategy
         from launch.device import init_distributed
         from launch.worker import exit_on_out_of_memory
-        from cona_cli.config import ClusterConfig
+        from cona_core.config import ClusterConfig
         device = init_distributed(ClusterConfig(backend="gloo", procs_per_node=1))
         with exit_on_out_of_memory(lambda: Strategy(1, 1, 1, 2, 8), device):
             raise dist.DistBackendError({NCCL_OUT_OF_MEMORY[0]!r})
@@ -244,7 +244,7 @@ def test_the_controller_prepares_a_run_and_its_nodes_without_importing_torch_whe
         import sys
         from pathlib import Path
         from cona_cli.cluster.nodes import resolve_nodes
-        from cona_cli.config import load_config
+        from cona_cli.run_config import load_config
         from cona_cli.control.run_setup import prepare_run_dir
         cfg = load_config({str(cfg)!r})
         prepare_run_dir(Path({str(tmp_path / "run")!r}), Path({str(cfg)!r}), cfg)

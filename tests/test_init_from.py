@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from cona_cli.config import ConfigError, config_from_dict
+from cona_core.config import ConfigError, config_from_dict
 from tests.support import REPO, TINY, write_config
 
 transformers = pytest.importorskip("transformers")

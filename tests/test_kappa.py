@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cona_cli.planner.kappa import Curve, efficiency_clock, fit_kappa, predicted_token_ratio
-from cona_cli.planner.surrogate import phi
+from cona_core.efficiency import phi
 
 
 def _curves(kappa: float, batches: list[int], noise: float, seed: int = 0, points: int = 25) -> list[Curve]:

@@ -21,9 +21,9 @@ MODEL = {"gpt": {}, "llama": {"n_heads": 8, "n_kv_heads": 4}, "bert": {}}
 @pytest.fixture(scope="module")
 def every_family(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One torchrun over every family's run folder: family -> its results."""
-    from cona_cli.config import config_from_dict
+    from cona_core.config import config_from_dict
+    from cona_core.shape import SPECIAL_TOKENS
     from launch.data.corpus import prepare_corpus
-    from launch.models import SPECIAL_TOKENS
 
     dirs = []
     for family in sorted(MODEL):

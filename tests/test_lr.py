@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from cona_cli.config import TrainConfig
-from launch.lr import gain, learning_rate, progress_tokens, schedule_factor
+from cona_core.config import TrainConfig
+from cona_core.efficiency import gain
+from launch.lr import learning_rate, progress_tokens, schedule_factor
 
 
 def test_the_gain_is_adascales_and_one_without_a_noise_scale() -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cona_cli.config import ModelConfig
-from launch.models import get_spec, model_shape
+from cona_core.config import ModelConfig
+from cona_core.shape import model_shape
+from launch.models import get_spec
 
 VOCAB = 300
 MODEL = {

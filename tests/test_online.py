@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from cona_cli.config import ConfigError, config_from_dict
 from cona_cli.control.cona_policy import ConaPolicy
 from cona_cli.control.controller import Controller
 from cona_cli.control.policies import Stage
@@ -24,8 +23,9 @@ from cona_cli.control.runstate import RunState
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.search import Candidate, SearchResult
-from cona_cli.rundir import RunDir
-from cona_cli.strategy import Strategy, resizable
+from cona_core.config import ConfigError, config_from_dict
+from cona_core.rundir import RunDir
+from cona_core.strategy import Strategy, resizable
 from tests.support import TINY, RecordedEvents
 
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from cona_cli.config import config_from_dict
+    from cona_core.config import config_from_dict
     from launch.data.corpus import prepare_corpus
 
     run_dir = tmp_path_factory.mktemp("precision")

@@ -12,15 +12,15 @@ import torch
 
 import launch.device as device_mod
 import launch.parallelize as par
-from cona_cli.config import ClusterConfig, ConfigError, config_from_dict
 from cona_cli.planner.costmodel import as_array, iteration_time
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.memory import ADAM_TEMP_BYTES, STATE_BYTES, compute_precision, memory_bytes
 from cona_cli.planner.workload import Workload
-from cona_cli.strategy import Strategy
-from launch.buckets import BUCKET_BYTES, IN_FLIGHT, buckets
+from cona_core.buckets import BUCKET_BYTES, IN_FLIGHT, buckets
+from cona_core.config import ClusterConfig, ConfigError, config_from_dict
+from cona_core.shape import ModelShape
+from cona_core.strategy import Strategy
 from launch.models import get_spec
-from launch.models.shape import ModelShape
 from launch.precision import resolve_precision
 from tests.support import TINY
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cona_cli.config import ConfigError, config_from_dict
 from cona_cli.control.ramp_policy import RampPolicy, ramp_gbs
-from cona_cli.strategy import Strategy
+from cona_core.config import ConfigError, config_from_dict
+from cona_core.strategy import Strategy
 from tests.support import TINY
 
 

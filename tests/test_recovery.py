@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cona_cli import rundir
 from cona_cli.app import app
-from cona_cli.config import ModelConfig, config_from_dict, parse_chain
 from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.failures import parse_failure
 from cona_cli.control.policies import ChainPolicy
 from cona_cli.control.run_setup import make_policy
+from cona_core import rundir
+from cona_core.config import ModelConfig, config_from_dict, parse_chain
 from tests.support import TINY, write_config
 
 MODEL = ModelConfig(n_layers=2, d_model=16, n_heads=2, ffn=32, seq_len=8)
@@ -160,7 +160,7 @@ def test_a_job_that_cannot_reach_the_controller_that_started_it_checkpoints_and_
     import torch
     import torch.distributed as dist
 
-    from cona_cli.strategy import Strategy
+    from cona_core.strategy import Strategy
     from launch import worker as worker_module
     from launch.data.corpus import prepare_corpus
 

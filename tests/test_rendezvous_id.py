@@ -12,10 +12,10 @@ from rich.console import Console
 
 from cona_cli.cluster.launchers import Agent, ArgvFor, Launcher
 from cona_cli.cluster.nodes import Node, is_multi_node, resolve_nodes
-from cona_cli.config import config_from_dict
 from cona_cli.control.jobs import JobStarter
 from cona_cli.control.telemetry_server import TelemetryServer
-from cona_cli.rundir import RunDir
+from cona_core.config import config_from_dict
+from cona_core.rundir import RunDir
 from tests.support import TINY
 
 PIECE = 6  # token pieces this long are looked for (shorter ones turn up by chance in any hex digest)

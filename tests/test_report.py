@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from cona_cli.commands.report_command import report_command
 from cona_cli.report.build import build_report, timeline
 from cona_cli.report.runlog import read_run
-from cona_cli.strategy import Strategy
+from cona_core.strategy import Strategy
 
 A, B, C = "dp4-tp1-pp1-mbs2-gbs16", "dp2-tp1-pp2-mbs2-gbs32", "dp4-tp1-pp1-mbs4-gbs64"
 SEQ_LEN = 64

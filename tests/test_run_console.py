@@ -11,9 +11,9 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from cona_cli.app import app
-from cona_cli.config import config_from_dict
 from cona_cli.control.run_console import RunConsole, event_line
-from cona_cli.strategy import Strategy
+from cona_core.config import config_from_dict
+from cona_core.strategy import Strategy
 from tests.support import TINY, write_config
 
 S8 = Strategy.parse("dp4-tp1-pp1-mbs2-gbs8")

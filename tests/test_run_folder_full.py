@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from cona_cli.control.controller import Controller
-from cona_cli.rundir import MARKER, RunDir, step_dir
+from cona_core.rundir import MARKER, RunDir, step_dir
 
 
 def _controller(run: Path) -> tuple[Controller, io.StringIO]:

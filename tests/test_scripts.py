@@ -226,7 +226,7 @@ def test_fit_kappa_local_rates_compare_the_loss_rate_at_equal_loss_with_phis(mon
     """Two fixed batches whose training loss falls linearly in time, gbs 32's at 1.0x gbs 16's rate, G 16:
     Φ rates 32 at (32/0.16)/(16/0.1) · (16 + 16)/(32 + 16) = 0.833 of 16, so measured over Φ is 1.2."""
     from cona_cli.report.runlog import RunLog, StepRow
-    from cona_cli.strategy import Strategy
+    from cona_core.strategy import Strategy
 
     fit = import_script(script("fit_kappa.py"), monkeypatch)
 
@@ -306,8 +306,8 @@ def test_bench_switch_one_round(tmp_path: Path) -> None:
 @pytest.mark.e2e
 def test_bench_checkpoint_one_round_of_two_ranks(tmp_path: Path) -> None:
     """Both kinds of checkpoint of a 2-rank tiny run, the shipped interval's overhead, the 1.3B scale line."""
-    from cona_cli.config import load_config
     from cona_cli.planner.workload import Workload
+    from cona_cli.run_config import load_config
 
     cfg = write_config(tmp_path / "tiny2.yaml", {**TINY, "cluster": {"procs_per_node": 2}})
     strategy = "dp2-tp1-pp1-mbs2-gbs8"

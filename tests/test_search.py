@@ -5,13 +5,14 @@ import math
 
 import pytest
 
-from cona_cli.config import load_config
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.search import crossovers, plan
 from cona_cli.planner.space import gbs_ladder
-from cona_cli.planner.surrogate import crossover_gns, phi
+from cona_cli.planner.surrogate import crossover_gns
 from cona_cli.planner.workload import Workload
+from cona_cli.run_config import load_config
+from cona_core.efficiency import phi
 
 
 def _setup(path, **search):

@@ -12,13 +12,13 @@ import pytest
 from typer.testing import CliRunner
 
 from cona_cli.app import app
-from cona_cli.config import config_from_dict
 from cona_cli.control.cona_policy import ConaPolicy
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.simulate.law import KaplanDynamics, KaplanLaw
 from cona_cli.simulate.replay import NotReplayable, Replay, replay
 from cona_cli.simulate.world import Curve, Simulation, WorldSpec
-from cona_cli.strategy import resizable
+from cona_core.config import config_from_dict
+from cona_core.strategy import resizable
 from tests.support import REPO, TINY, RecordedEvents, write_config
 
 runner = CliRunner()

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cona_cli.app import app
-from cona_cli.config import config_from_dict
 from cona_cli.simulate.from_runs import RunDataError, RunDynamics, read_static_run
+from cona_core.config import config_from_dict
 from tests.support import TINY, write_config
 
 runner = CliRunner()

@@ -5,13 +5,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cona_cli.config import config_from_dict, load_config
 from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.memory import memory_bytes, startup_bytes
 from cona_cli.planner.space import enumerate_space, gbs_ladder
 from cona_cli.planner.workload import Workload
-from cona_cli.strategy import Strategy
+from cona_cli.run_config import load_config
+from cona_core.config import config_from_dict
+from cona_core.strategy import Strategy
 
 GPT3 = "configs/gpt3-1.3b-a6000.yaml"
 

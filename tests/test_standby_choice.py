@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cona_cli.config import ClusterConfig, ConfigError, config_from_dict
+from cona_core.config import ClusterConfig, ConfigError, config_from_dict
 from tests.support import TINY
 
 

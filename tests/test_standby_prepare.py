@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cona_cli.rundir import RunDir, handover_seal
-from cona_cli.strategy import Strategy
+from cona_core.rundir import RunDir, handover_seal
+from cona_core.strategy import Strategy
 from launch.standby import wait_for_handover
 
 DP2 = Strategy.parse("dp2-tp1-pp1-mbs2-gbs16")

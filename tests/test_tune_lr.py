@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from cona_cli.app import app
 from cona_cli.commands.tune_lr_command import Trial, best_trial, parse_lrs
-from cona_cli.config import ConfigError
+from cona_core.config import ConfigError
 from tests.support import TINY, write_config
 
 runner = CliRunner()

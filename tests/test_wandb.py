@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from cona_cli.config import ConfigError, config_from_dict
 from cona_cli.control.metric_sinks import check_installed, open_sinks
-from cona_cli.rundir import RunDir
+from cona_core.config import ConfigError, config_from_dict
+from cona_core.rundir import RunDir
 from tests.support import REPO, TINY, write_config
 
 pytest.importorskip("wandb")

@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 
 from cona_cli.cluster.nodes import Node
-from cona_cli.config import ClusterConfig
+from cona_core.config import ClusterConfig
 
 ArgvFor = Callable[[Node | None], list[str]]  # the command for a node (None: one line for all nodes)
 # Variables of this process that ssh nodes get too (srun forwards the whole environment itself).

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cona_cli.cluster.slurm import SlurmError, allocation_hosts
-from cona_cli.config import ClusterConfig, ConfigError
+from cona_core.config import ClusterConfig, ConfigError
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's default, for an explicit endpoint host without a port
 _RDZV_KEY = secrets.token_bytes(16)  # this controller's key of rendezvous ids

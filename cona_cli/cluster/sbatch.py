@@ -16,8 +16,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from cona_cli.config import Config, ConfigError
-from cona_cli.rundir import RunDir
+from cona_core.config import Config, ConfigError
+from cona_core.rundir import RunDir
 
 
 def sbatch_script(cfg: Config, train_argv: list[str], run_dir: Path, workdir: Path) -> str:

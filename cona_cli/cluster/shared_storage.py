@@ -18,8 +18,8 @@ from pathlib import Path
 
 from cona_cli.cluster.launchers import Agent, Launcher
 from cona_cli.cluster.nodes import ClusterError, Node
-from cona_cli.rundir import RunDir
-from launch.node.storage_probe import MISSING_CONTROLLER, MISSING_NODES
+from cona_core.exits import MISSING_CONTROLLER, MISSING_NODES
+from cona_core.rundir import RunDir
 
 VERDICTS = (MISSING_CONTROLLER, MISSING_NODES)  # the probe ran and saw its folder incomplete
 EXTRA_WAIT_S = 60.0  # on top of the probe timeout, for ssh connections and interpreter start-up

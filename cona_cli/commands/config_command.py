@@ -9,8 +9,9 @@ import typer
 import yaml
 
 from cona_cli.commands.errors import fail
-from cona_cli.config import ConfigError, load_config
 from cona_cli.overrides import parse_sets
+from cona_cli.run_config import load_config
+from cona_core.config import ConfigError
 
 config_app = typer.Typer(no_args_is_help=True, help="Show a resolved config, or regenerate docs/config.md.")
 
@@ -36,7 +37,7 @@ def show_command(
 def docs_command(
     out: Path | None = typer.Option(None, "--out", help="Where to write it (default: docs/config.md)."),
 ) -> None:
-    """Regenerate the configuration reference (docs/config.md) from cona_cli/config.py."""
+    """Regenerate the configuration reference (docs/config.md) from cona_core/config.py."""
     from cona_cli import config_docs
 
     config_docs.main([str(out)] if out else [])

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import typer
 
-from cona_cli.config import Config
 from cona_cli.control.preflight import Checked
 from cona_cli.planner.space import gbs_ladder
+from cona_core.config import Config
 
 
 def _backend(cfg: Config) -> str:

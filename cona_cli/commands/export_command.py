@@ -17,9 +17,9 @@ from typing import Annotated
 import typer
 
 from cona_cli.commands.errors import fail
-from cona_cli.config import config_from_json
 from cona_cli.control import usable_checkpoints as checkpoints
-from cona_cli.rundir import RunDir, step_dir
+from cona_core.config import config_from_json
+from cona_core.rundir import RunDir, step_dir
 
 FORMATS = ("hf", "torch")
 

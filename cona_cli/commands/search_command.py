@@ -15,12 +15,13 @@ from rich.console import Console
 from rich.table import Table
 
 from cona_cli.commands.errors import fail
-from cona_cli.config import Config, ConfigError, load_config
 from cona_cli.overrides import parse_sets
 from cona_cli.planner.hardware import HardwareProfile, load_hardware
 from cona_cli.planner.memory import compute_precision
 from cona_cli.planner.space import gbs_ladder
 from cona_cli.planner.workload import Workload
+from cona_cli.run_config import load_config
+from cona_core.config import Config, ConfigError
 
 if TYPE_CHECKING:
     from cona_cli.planner.search import Candidate, SearchResult

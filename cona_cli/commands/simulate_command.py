@@ -12,8 +12,9 @@ from typing import Any
 import typer
 
 from cona_cli.commands.errors import fail
-from cona_cli.config import ConfigError, load_config
 from cona_cli.overrides import parse_sets
+from cona_cli.run_config import load_config
+from cona_core.config import ConfigError
 
 
 def simulate_command(

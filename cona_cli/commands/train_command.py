@@ -12,7 +12,6 @@ from cona_cli.cluster.sbatch import sbatch_script
 from cona_cli.cluster.slurm import SlurmError
 from cona_cli.commands.dry_run import dry_run_plan
 from cona_cli.commands.errors import fail
-from cona_cli.config import Config, ConfigError
 from cona_cli.control.controller import Controller
 from cona_cli.control.preflight import preflight
 from cona_cli.control.resume import prepare_resume
@@ -20,6 +19,7 @@ from cona_cli.control.run_console import LOG_FORMATS
 from cona_cli.control.run_setup import default_run_dir, prepare_run_dir, resolve_config
 from cona_cli.control.runstate import lock
 from cona_cli.overrides import parse_sets
+from cona_core.config import Config, ConfigError
 
 err = Console(stderr=True, soft_wrap=True)
 

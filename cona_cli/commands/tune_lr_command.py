@@ -20,11 +20,11 @@ from pathlib import Path
 import typer
 
 from cona_cli.commands.errors import fail
-from cona_cli.config import Config, ConfigError
 from cona_cli.control.run_setup import resolve_config
 from cona_cli.overrides import parse_sets
 from cona_cli.planner.space import gbs_ladder
 from cona_cli.report.runlog import NotARunError, read_run
+from cona_core.config import Config, ConfigError
 
 GRID = (0.5, 1.0, 2.0, 4.0)  # multiples of the config's lr swept by default
 

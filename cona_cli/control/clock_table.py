@@ -1,4 +1,4 @@
-"""The virtual clock's table, resolved by the controller before the first launch (`cona_cli.clock`).
+"""The virtual clock's table, resolved by the controller before the first launch (`cona_core.clock`).
 
 `train.clock_table` names where a step's time comes from: `measured` (this host's cache, filled by the
 workers' calibration passes as strategies first run), a hardware profile (the planner's cost model,
@@ -12,11 +12,11 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from cona_cli.clock import TIMING, ClockSpec, checkpoint_seconds, measured_cache, read_cache
-from cona_cli.config import Config, ConfigError
 from cona_cli.planner.workload import Workload
-from cona_cli.rundir import RunDir
-from cona_cli.strategy import Strategy, StrategyError
+from cona_core.clock import TIMING, ClockSpec, checkpoint_seconds, measured_cache, read_cache
+from cona_core.config import Config, ConfigError
+from cona_core.rundir import RunDir
+from cona_core.strategy import Strategy, StrategyError
 
 
 def _mapping(raw: dict[Any, float]) -> tuple[dict[str, float], dict[int, float]]:

@@ -38,16 +38,16 @@ import threading
 from statistics import NormalDist
 from typing import Any
 
-from cona_cli.config import Config
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.switch_rule import Decision, Estimate, decide
-from cona_cli.gns import NoiseInterval, NoiseWindow, measurable
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.search import Candidate, SearchResult, search_gbs
 from cona_cli.planner.space import enumerate_space, gbs_ladder
 from cona_cli.planner.workload import Workload
-from cona_cli.strategy import Strategy, resizable
+from cona_core.config import Config
+from cona_core.gns import NoiseInterval, NoiseWindow, measurable
+from cona_core.strategy import Strategy, resizable
 
 WARMUP_STEPS = 2  # first steps of a launch (pipeline shape inference, allocator) are not timed
 REMEASURE = 0.1  # rerun the search when the running strategy's median moved by this fraction

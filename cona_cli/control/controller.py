@@ -30,12 +30,10 @@ from typing import Any
 
 from rich.console import Console
 
-from cona_cli.clock import ClockSpec
 from cona_cli.cluster.launchers import Agent, make_launcher
 from cona_cli.cluster.nodes import ClusterError, head_address, is_multi_node, may_use_gpus, resolve_nodes
 from cona_cli.cluster.shared_storage import check_shared
 from cona_cli.cluster.slurm import requeue
-from cona_cli.config import Config
 from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.clock_table import clock_spec, describe
 from cona_cli.control.failures import Failure, parse_failure
@@ -47,8 +45,10 @@ from cona_cli.control.run_console import RunConsole
 from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict, wait_for_group
 from cona_cli.control.standby import StandbyPool
 from cona_cli.control.telemetry_server import TelemetryServer
-from cona_cli.rundir import RunDir, committed
-from cona_cli.strategy import Strategy, resizable
+from cona_core.clock import ClockSpec
+from cona_core.config import Config
+from cona_core.rundir import RunDir, committed
+from cona_core.strategy import Strategy, resizable
 
 INTERRUPT_GRACE_S = 120.0  # for workers to checkpoint after a stop command, before SIGKILL
 NODE_FAILURE_GRACE_S = 20.0  # for the other nodes to stop after one node failed, before SIGKILL

@@ -19,7 +19,14 @@ import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cona_cli.rundir import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, PEER_LOST, SIGNALLED_EXIT
+from cona_core.exits import (
+    BAD_CHECKPOINT_EXIT,
+    OUT_OF_MEMORY_EXIT,
+    PEER_LOST,
+    REFUSED_EXIT,
+    SIGNALLED_EXIT,
+    STORAGE_EXIT,
+)
 
 if TYPE_CHECKING:
     from cona_cli.cluster.launchers import Agent
@@ -35,9 +42,7 @@ _OUT_OF_MEMORY = re.compile(
     r"|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY"
     r"|OutOfMemoryError|DefaultCPUAllocator: can't allocate memory"
 )
-REFUSED_EXIT = 2  # the worker's exit code for a node that cannot run the config (launch.worker: DeviceError)
 _REFUSAL = re.compile(r"^\s*cona-worker: (?!placement: )(.+)$")  # the worker's one line before REFUSED_EXIT
-STORAGE_EXIT = 5  # a worker whose checkpoint could not be written (= launch.checkpoint.STORAGE_EXIT)
 _STORAGE = re.compile(r"^\s*cona-worker: (checkpoint not saved: .+)$")  # the worker's one line before STORAGE_EXIT
 _PEAK = re.compile(r"out of memory under (\S+): peak (\d+) bytes")  # the worker's own line
 _SRUN_TASK = re.compile(r"srun: error: (\S+): task \d+: (?!.*Terminated)")

@@ -15,7 +15,6 @@ from rich.console import Console
 
 from cona_cli.cluster.launchers import Agent, Launcher
 from cona_cli.cluster.nodes import ClusterError, Node, rendezvous, torchrun_args
-from cona_cli.config import Config
 from cona_cli.control.policies import Stage
 from cona_cli.control.runstate import write_atomic
 from cona_cli.control.telemetry_server import TelemetryServer
@@ -23,8 +22,9 @@ from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.memory import memory_bytes, training_budget
 from cona_cli.planner.workload import Workload
-from cona_cli.rundir import RunDir
-from cona_cli.strategy import Strategy
+from cona_core.config import Config
+from cona_core.rundir import RunDir
+from cona_core.strategy import Strategy
 
 # glibc hands every block above 32 MB back to the OS when it is freed (mmap), so each step faults in
 # fresh pages for its logits and their gradients again. Keeping freed memory in the heap made

@@ -8,10 +8,10 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cona_cli.config import Config, ConfigError, TrainConfig
 from cona_cli.control.tensorboard_log import MISSING, TensorBoardLog
 from cona_cli.control.wandb_log import WandbLog
-from cona_cli.rundir import RunDir
+from cona_core.config import Config, ConfigError, TrainConfig
+from cona_core.rundir import RunDir
 
 
 class MetricSink(Protocol):

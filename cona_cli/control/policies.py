@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cona_cli.config import ChainStage
-from cona_cli.strategy import Strategy
+from cona_core.config import ChainStage
+from cona_core.strategy import Strategy
 
 
 @dataclass(frozen=True)

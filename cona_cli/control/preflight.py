@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING
 
 from cona_cli.cluster.nodes import free_port, head_address, resolve_nodes
 from cona_cli.cluster.slurm import SlurmError
-from cona_cli.config import Config, ConfigError
 from cona_cli.control.metric_sinks import check_installed
 from cona_cli.control.policies import Policy
 from cona_cli.control.run_setup import check_eval_tokens, check_run_dir, eval_tokens_needed, make_policy
-from cona_cli.rundir import RunDir
+from cona_core.config import Config, ConfigError
+from cona_core.rundir import RunDir
+from cona_core.shape import SPECIAL_TOKENS
 
 if TYPE_CHECKING:
     from launch.data.tokenize import TextTokenizer
@@ -81,7 +82,6 @@ def load_tokenizer(cfg: Config) -> tuple[TextTokenizer | None, str]:
     where it was found."""
     from launch.data import tokenize
     from launch.data.sources import DataError
-    from launch.models import SPECIAL_TOKENS
 
     spec, specials = cfg.data.tokenizer, SPECIAL_TOKENS[cfg.model.family]
     if spec == "bpe":
@@ -104,7 +104,6 @@ def load_tokenizer(cfg: Config) -> tuple[TextTokenizer | None, str]:
 def check_data(cfg: Config, tok: TextTokenizer | None) -> str:
     """The data's files opened and their validation tokens counted (module docstring); what was found."""
     from launch.data import sources, tokenize
-    from launch.models import SPECIAL_TOKENS
 
     data = cfg.data
     if data.path is None:

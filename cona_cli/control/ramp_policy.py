@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from cona_cli.config import Config, ConfigError
 from cona_cli.control.policies import Policy, Stage
-from cona_cli.strategy import Strategy
+from cona_core.config import Config, ConfigError
+from cona_core.strategy import Strategy
 
 
 def ramp_gbs(start: int, increment: int, samples: int, final: int, consumed: int) -> int:

@@ -22,14 +22,15 @@ from typing import Any
 from rich.console import Console
 
 from cona_cli.cluster.launchers import Agent
-from cona_cli.config import Config
 from cona_cli.control import usable_checkpoints as checkpoints
-from cona_cli.control.failures import REFUSED_EXIT, STORAGE_EXIT, Failure, failed_host, parse_failure
+from cona_cli.control.failures import Failure, failed_host, parse_failure
 from cona_cli.control.jobs import EventLog
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.runstate import RunState
-from cona_cli.rundir import RunDir, read_trainer_state
-from cona_cli.strategy import Strategy, resizable
+from cona_core.config import Config
+from cona_core.exits import REFUSED_EXIT, STORAGE_EXIT
+from cona_core.rundir import RunDir, read_trainer_state
+from cona_core.strategy import Strategy, resizable
 
 
 class NoUsableCheckpoint(RuntimeError):

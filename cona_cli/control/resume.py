@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cona_cli.config import Config, ConfigError, config_from_json
 from cona_cli.control import usable_checkpoints as checkpoints
 from cona_cli.control.controller import INTERRUPT_GRACE_S
 from cona_cli.control.policies import Policy
 from cona_cli.control.run_setup import make_policy, resolve_config
 from cona_cli.control.runstate import RunState, lock, wait_for_group
-from cona_cli.rundir import RunDir, read_jsonl
+from cona_core.config import Config, ConfigError, config_from_json
+from cona_core.rundir import RunDir, read_jsonl
 
 RESUMABLE = ("interrupted", "failed", "requeued")  # exit reasons after which a run may continue
 

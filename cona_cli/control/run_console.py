@@ -16,8 +16,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cona_cli.config import Config
-from cona_cli.strategy import Strategy
+from cona_core.config import Config
+from cona_core.strategy import Strategy
 
 LOG_FORMATS = ("auto", "rich", "plain")
 

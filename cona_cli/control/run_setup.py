@@ -11,13 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cona_cli.config import Config, ConfigError, config_from_dict, load_config, parse_chain, read_yaml
 from cona_cli.control.policies import ChainPolicy, Policy, StaticPolicy
 from cona_cli.control.ramp_policy import RampPolicy
 from cona_cli.overrides import overlaps
 from cona_cli.planner.space import gbs_ladder
-from cona_cli.rundir import RunDir
-from cona_cli.strategy import Strategy, StrategyError
+from cona_cli.run_config import load_config
+from cona_core.config import Config, ConfigError, config_from_dict, parse_chain, read_yaml
+from cona_core.rundir import RunDir
+from cona_core.shape import SPECIAL_TOKENS
+from cona_core.strategy import Strategy, StrategyError
 
 
 def resolve_config(
@@ -163,7 +165,6 @@ def prepare_run_dir(run_dir: Path, config: Path, cfg: Config) -> None:
     from launch.data.corpus import prepare_corpus  # tokenizers: only once the config is valid
     from launch.data.sources import DataError
     from launch.data.tokenize import tokenizer_location
-    from launch.models import SPECIAL_TOKENS
 
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(config, run.config_copy)

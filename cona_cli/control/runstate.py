@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from cona_cli.control.policies import Stage
-from cona_cli.rundir import RunDir
-from cona_cli.strategy import Strategy
+from cona_core.rundir import RunDir
+from cona_core.strategy import Strategy
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -24,12 +24,12 @@ from pathlib import Path
 
 from cona_cli.cluster.launchers import Agent
 from cona_cli.cluster.nodes import may_use_gpus
-from cona_cli.config import Config
 from cona_cli.control.jobs import EventLog
 from cona_cli.control.policies import Policy, Stage
 from cona_cli.control.runstate import RunState, write_atomic
-from cona_cli.rundir import RunDir, handover_seal
-from cona_cli.strategy import Strategy
+from cona_core.config import Config
+from cona_core.rundir import RunDir, handover_seal
+from cona_core.strategy import Strategy
 
 
 def standby_args(run_dir: Path, launch: int) -> list[str]:

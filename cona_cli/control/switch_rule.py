@@ -1,6 +1,6 @@
 """The switch rule: take a candidate when it wins, net of what the switch costs.
 
-Φ(s) = (gbs/T(s)) / (gbs + κ·G) is progress per second (`planner.surrogate`). Over the H seconds the
+Φ(s) = (gbs/T(s)) / (gbs + κ·G) is progress per second (`cona_core.efficiency`). Over the H seconds the
 run has left, staying makes Φ·H of progress and switching Φ'·(H − C), C the switch's cost, so a
 candidate pays when Φ'/Φ · (H − C)/H > 1.
 
@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cona_cli.gns import NoiseInterval
+from cona_core.efficiency import phi_ratio
+from cona_core.gns import NoiseInterval
 
 
 @dataclass(frozen=True)
@@ -53,14 +54,6 @@ class Decision:
     def score(self) -> float:
         """Progress over the time left relative to staying, at the ratio that decides (> 1: switch)."""
         return (self.ratio if self.point else self.ratio_low) * self.payback
-
-
-def phi_ratio(gbs: int, t: float, gbs_candidate: int, t_candidate: float, gns: float) -> float:
-    """Φ(candidate) / Φ(current) at noise scale `gns` (which may be infinite: the throughput ratio)."""
-    throughput = (gbs_candidate / t_candidate) / (gbs / t)
-    if math.isinf(gns):
-        return throughput
-    return throughput * (gbs + gns) / (gbs_candidate + gns)
 
 
 def decide(

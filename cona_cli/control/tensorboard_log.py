@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from cona_cli.config import ConfigError
+from cona_core.config import ConfigError
 
 # metrics.jsonl field -> TensorBoard tag, by row kind
 STEP_TAGS = {

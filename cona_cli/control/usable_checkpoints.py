@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from cona_cli.config import Config, ModelConfig
-from cona_cli.rundir import MARKER, TRAINER_STATE, RunDir, read_trainer_state, step_of
+from cona_core.config import Config, ModelConfig
+from cona_core.rundir import MARKER, TRAINER_STATE, RunDir, read_trainer_state, step_of
 
 Shapes = dict[str, tuple[int, ...]]
 

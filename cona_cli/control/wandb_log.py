@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from cona_cli.config import ConfigError
 from cona_cli.control.tensorboard_log import MISSING, event_scalars, row_scalars
-from cona_cli.rundir import RunDir
+from cona_core.config import ConfigError
+from cona_core.rundir import RunDir
 
 STEP = "step"  # the x axis of every tag
 

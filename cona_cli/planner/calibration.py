@@ -23,7 +23,7 @@ from threadpoolctl import threadpool_limits
 from cona_cli.planner.costmodel import as_array, iteration_time
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.workload import Workload
-from cona_cli.strategy import Strategy
+from cona_core.strategy import Strategy
 
 FREE_PARAMS = (
     "mfu_max",

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cona_cli.config import Config
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.search import plan
 from cona_cli.planner.space import gbs_ladder
 from cona_cli.planner.workload import Workload
+from cona_core.config import Config
 
 PAYS = 1.05  # below this the rungs differ by less than one host's step-time noise (±5 %): no chain pays
 

@@ -30,7 +30,7 @@ import numpy as np
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.memory import compute_precision
 from cona_cli.planner.workload import Workload
-from cona_cli.strategy import Strategy
+from cona_core.strategy import Strategy
 
 ADAM_BYTES_PER_PARAM = 28  # AdamW touches master weight, grad, m, v: 4 reads + 3 writes of 4 bytes
 GRAD_BYTES = 4  # fp32 gradients (fp32 master weights under bf16 too)

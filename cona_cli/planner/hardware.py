@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from cona_cli.config import ConfigError, read_yaml, type_ok
+from cona_core.config import ConfigError, read_yaml, type_ok
 
 HARDWARE_DIR = Path(__file__).resolve().parent / "profiles"
 

@@ -10,8 +10,8 @@ import numpy as np
 
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.workload import Workload
-from launch.buckets import BUCKET_BYTES, IN_FLIGHT
-from launch.models.shape import ModelShape
+from cona_core.buckets import BUCKET_BYTES, IN_FLIGHT
+from cona_core.shape import ModelShape
 
 STATE_BYTES = 16  # per parameter: fp32 weight, fp32 gradient, fp32 AdamW moments m and v
 GRAD_BYTES = 4  # gradients are fp32 under every precision (master weights)
@@ -55,7 +55,7 @@ def memory_bytes(
     without a budget. Under bf16 without FSDP, autocast's compute-precision copies of the weights. DDP's
     gradients are views into its buckets (gradient_as_bucket_view), no second copy. When dp > 1 and the
     gradients are averaged in buckets (DDP does not wrap TP or PP), the copies of the buckets in flight
-    (`launch.buckets`). The optimizer step (activations freed by then) adds foreach AdamW's full fp32
+    (`cona_core.buckets`). The optimizer step (activations freed by then) adds foreach AdamW's full fp32
     temporary over the local parameters.
     Activations: what each layer saves (`layer_activation_bytes`); with recomputation only each layer's
     input plus one layer's working set.
@@ -78,7 +78,7 @@ def memory_bytes(
         optimizer_params = params
         if e != 4:
             states = states + params * e  # autocast's casts of the weights
-        bucketed = (dp > 1) & ((tp > 1) | (pp > 1))  # averaged in buckets, not by DDP (launch.buckets)
+        bucketed = (dp > 1) & ((tp > 1) | (pp > 1))  # averaged in buckets, not by DDP (cona_core.buckets)
         states = states + np.where(bucketed, np.minimum(params * GRAD_BYTES, IN_FLIGHT * BUCKET_BYTES), 0.0)
     full_layer = layer_activation_bytes(shape, mbs, tp, e)
     layers = shape.n_layers / pp

@@ -24,12 +24,13 @@ from skopt.learning.gaussian_process.kernels import ConstantKernel, Matern
 from skopt.space import Real
 from threadpoolctl import threadpool_limits
 
-from cona_cli.config import Config, SearchConfig
 from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.space import Space, enumerate_space
-from cona_cli.planner.surrogate import crossover_gns, phi
-from cona_cli.strategy import Strategy
+from cona_cli.planner.surrogate import crossover_gns
+from cona_core.config import Config, SearchConfig
+from cona_core.efficiency import phi
+from cona_core.strategy import Strategy
 
 
 class Predictor(Protocol):

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cona_cli.config import Config
 from cona_cli.planner.costmodel import as_array
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.memory import memory_bytes, startup_bytes, training_budget
 from cona_cli.planner.workload import Workload
-from cona_cli.strategy import Strategy, divisibility_problems
+from cona_core.config import Config
+from cona_core.strategy import Strategy, divisibility_problems
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,12 @@
-"""The surrogate objective Phi(s) and the GNS at which a larger global batch starts to pay off.
+"""The GNS at which a larger global batch starts to pay off under the surrogate Φ (`cona_core.efficiency`).
 
-Phi(s) = (gbs / T(s)) / (gbs + GNS): throughput in samples/s times the statistical efficiency of a
-sample at batch gbs for gradient noise scale GNS (McCandlish et al. 2018: the steps to a target
-shrink as 1 + GNS / gbs). Pure functions on floats or numpy arrays.
+Φ(s) = (gbs / T(s)) / (gbs + GNS): throughput in samples/s times the statistical efficiency of a sample at
+batch gbs for gradient noise scale GNS (McCandlish et al. 2018: the steps to a target shrink as 1 + GNS / gbs).
 """
 
 from __future__ import annotations
 
 import math
-
-import numpy as np
-
-Number = float | np.ndarray
-
-
-def phi(gbs: Number, seconds: Number, gns: Number, kappa: float = 1.0) -> Number:
-    """Progress per second: (gbs / T) / (gbs + κ·GNS); κ = 1 is the paper's Φ (see planner.kappa)."""
-    return (gbs / seconds) / (gbs + kappa * gns)
 
 
 def crossover_gns(gbs_small: float, t_small: float, gbs_large: float, t_large: float) -> float:

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cona_cli.config import Config
-from launch.models import model_shape
-from launch.models.shape import ModelShape
+from cona_core.config import Config
+from cona_core.shape import ModelShape, model_shape
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from cona_cli.report.runlog import EvalRow, Event, RunLog, StepRow, as_strategy
-from cona_cli.strategy import Strategy
+from cona_core.strategy import Strategy
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from matplotlib.ticker import LogFormatter
 
 from cona_cli.report.build import Report
 from cona_cli.report.runlog import RunLog, as_strategy
-from cona_cli.strategy import Strategy
+from cona_core.strategy import Strategy
 
 
 def short(s: Strategy) -> str:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cona_cli.rundir import RunDir, read_jsonl
-from cona_cli.strategy import Strategy, StrategyError
+from cona_core.rundir import RunDir, read_jsonl
+from cona_core.strategy import Strategy, StrategyError
 
 
 class NotARunError(ValueError):

@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from cona_cli.config import Config
 from cona_cli.control.cona_policy import WARMUP_STEPS  # a launch's first steps are not timed
 from cona_cli.control.resume import first_difference
 from cona_cli.report.runlog import as_strategy
-from cona_cli.rundir import RunDir, read_jsonl
-from cona_cli.strategy import Strategy
+from cona_core.config import Config
+from cona_core.rundir import RunDir, read_jsonl
+from cona_core.strategy import Strategy
 
 EXTRAPOLATE_NATS = 0.5  # how far below the lowest measured loss the curves are extended
 GRID_POINTS = 4000  # losses on which every rung's samples-to-loss curve is tabulated

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cona_cli.config import config_from_dict
 from cona_cli.control.cona_policy import ConaPolicy
 from cona_cli.control.policies import Stage
 from cona_cli.planner.hardware import load_hardware
-from cona_cli.rundir import RunDir, read_jsonl
 from cona_cli.simulate.world import DecisionLog
-from cona_cli.strategy import Strategy
+from cona_core.config import config_from_dict
+from cona_core.rundir import RunDir, read_jsonl
+from cona_core.strategy import Strategy
 
 COMPARED = ("step", "switch", "candidate", "ratio", "ratio_low")  # what a decision is compared on
 # The policy's (standby_importing, standby_ready) after each standby event.

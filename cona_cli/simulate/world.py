@@ -31,14 +31,14 @@ from typing import Protocol
 
 import numpy as np
 
-from cona_cli.config import Config
 from cona_cli.control.policies import Policy, StaticPolicy
 from cona_cli.planner.costmodel import iteration_time
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.space import enumerate_space, gbs_ladder
 from cona_cli.planner.workload import Workload
 from cona_cli.report.crossing import crossing
-from cona_cli.strategy import Strategy, resizable
+from cona_core.config import Config
+from cona_core.strategy import Strategy, resizable
 
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights, Adam's first and second moments
 OPTIMUM_POINTS = 2000  # progress steps of the costed optimum's dynamic programme

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cona_cli.config import DataConfig
+from cona_core.config import DataConfig
 from launch.data import sources, tokenize
 from launch.data.sources import DataError
 from launch.data.synthetic import synthetic_corpus

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cona_cli.config import HUB_NAME
+from cona_core.config import HUB_NAME
 from launch.data.sources import DataError
 
 # End-of-document tokens by their conventional text, in the order they are looked for.

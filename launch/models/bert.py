@@ -22,8 +22,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
-from cona_cli.config import ModelConfig
-from launch.models import SPECIAL_TOKENS as FAMILY_TOKENS
+from cona_core.config import ModelConfig
+from cona_core.shape import SPECIAL_TOKENS as FAMILY_TOKENS
+from cona_core.shape import bert_shape
 from launch.models.common import (
     TiedHead,
     block_tp_plan,
@@ -33,7 +34,6 @@ from launch.models.common import (
     normal_init_values,
     tied_head_style,
 )
-from launch.models.shape import bert_shape
 from launch.models.spec import IGNORE_INDEX, Batch, BatchFn, HFExport, HFSource, ModelSpec
 
 NORM_EPS = 1e-12

@@ -20,7 +20,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
-from cona_cli.config import ModelConfig
+from cona_core.config import ModelConfig
+from cona_core.shape import gpt_shape
 from launch.models.common import (
     TiedHead,
     block_tp_plan,
@@ -30,7 +31,6 @@ from launch.models.common import (
     normal_init_values,
     tied_head_style,
 )
-from launch.models.shape import gpt_shape
 from launch.models.spec import HFExport, HFSource, ModelSpec, causal_lm_batch
 
 NORM_EPS = 1e-5

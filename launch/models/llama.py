@@ -17,9 +17,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from cona_cli.config import ModelConfig
+from cona_core.config import ModelConfig
+from cona_core.shape import llama_shape
 from launch.models.common import block_tp_plan, copy_values, keep_stage, lm_loss, normal_init_values
-from launch.models.shape import llama_shape
 from launch.models.spec import HFExport, HFSource, ModelSpec, causal_lm_batch
 
 NORM_EPS = 1e-5

@@ -5,7 +5,7 @@ module keeps: its blocks live in an `nn.ModuleDict` named `layers` keyed by glob
 pipeline stage keeps the whole model's parameter names), and it has `init_values(seed)`, its whole
 seeded init as (name, value) pairs drawn one at a time (identical whatever the layout:
 `launch.materialise` copies each rank's slice), and `init_weights(seed)`, the same in place. A family's
-special tokens (`launch.models.SPECIAL_TOKENS`) follow the corpus's own tokens: with a vocabulary of V
+special tokens (`cona_core.shape.SPECIAL_TOKENS`) follow the corpus's own tokens: with a vocabulary of V
 ids in all, the k specials are ids V - k .. V - 1 in their order.
 """
 
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    from cona_cli.config import ModelConfig
-    from launch.models.shape import ModelShape
+    from cona_core.config import ModelConfig
+    from cona_core.shape import ModelShape
 
 IGNORE_INDEX = -100  # target id excluded from the loss (padding of evaluation batches)
 

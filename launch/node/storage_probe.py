@@ -15,8 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+from cona_core.exits import MISSING_CONTROLLER, MISSING_NODES
+
 POLL_S = 0.2
-MISSING_NODES, MISSING_CONTROLLER = 1, 2  # exit statuses
 
 
 def main(argv: list[str]) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cona_cli.config import Config, config_from_json
+from cona_core.config import Config, config_from_json
 from launch.data.corpus import CorpusInfo
 
 

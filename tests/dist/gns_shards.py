@@ -18,8 +18,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from cona_cli.gns import two_batch_estimate
-from cona_cli.strategy import Strategy
+from cona_core.gns import two_batch_estimate
+from cona_core.strategy import Strategy
 from launch.data.corpus import CorpusInfo
 from launch.data.sampling import TokenStream, replica_microbatches
 from launch.models import get_spec

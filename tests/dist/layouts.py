@@ -19,15 +19,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from cona_cli.strategy import Strategy
+from cona_core.strategy import Strategy
 from launch import checkpoint
 from launch import worker as worker_module
-from launch.device import headroom_bytes
 from launch.data.corpus import CorpusInfo
 from launch.data.sampling import TokenStream
+from launch.device import headroom_bytes
 from launch.layout import build_layout, prepare_layout
-from launch.materialise import build_model
 from launch.lr import learning_rate
+from launch.materialise import build_model
 from launch.models import get_spec
 from launch.models.spec import IGNORE_INDEX
 from launch.snapshot import Snapshot
@@ -135,12 +135,12 @@ def resize_vs_relaunch(cfg, run_dir, a: Strategy, b: Strategy, i: int) -> dict:
     estimator is held for 2 steps at the start and after the resize: both sides measure the 3rd step after."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, beta2=0.5))
     wa = Worker(cfg, run_dir, a, launch=1)
-    wa.ckpt_root = run_dir / f"resize_{i}"
+    wa.checkpointer.root = run_dir / f"resize_{i}"
     wa.train_step(False)
     if wa.rank == 0:
-        wa.resize_requested = b  # what poll_commands sets on a `resize` command
+        wa.commands.resize_requested = b  # what Commands.poll sets on a `resize` command
     ran = wa.train_step(False).strategy
-    path = wa.save("periodic")
+    path = wa.checkpointer.save("periodic")
     in_place = [wa.train_step(False) for _ in range(3)]
     wb = Worker(cfg, run_dir, b, launch=2)
     wb.restore(path)
@@ -149,7 +149,7 @@ def resize_vs_relaunch(cfg, run_dir, a: Strategy, b: Strategy, i: int) -> dict:
         "ran": [str(ran), str(in_place[0].strategy)],
         "in_place": [[o.loss, o.grad_norm, o.noise.get("grad_sq_raw"), o.noise.get("trace_raw")] for o in in_place],
         "relaunch": [[o.loss, o.grad_norm, o.noise.get("grad_sq_raw"), o.noise.get("trace_raw")] for o in relaunched],
-        "eval": [wa.evaluate()[0], wb.evaluate()[0]],
+        "eval": [wa.evaluator.evaluate()[0], wb.evaluator.evaluate()[0]],
         "consumed": [wa.state.consumed_samples, wb.state.consumed_samples],
     }
 
@@ -254,16 +254,16 @@ def family_results(run_dir: Path, cfg, corpus: CorpusInfo) -> dict:
     pairs = RESHARD if gpt else [RESHARD[1], RESHARD[3]]
     for i, (a, b) in enumerate(pairs):
         wa = Worker(cfg, run_dir, Strategy(*a), launch=1)
-        wa.ckpt_root = run_dir / f"ckpt_{i}"
+        wa.checkpointer.root = run_dir / f"ckpt_{i}"
         wa.train_step(False)  # one step: the Adam moments exist
-        before, loss_a = full_state(wa), wa.evaluate()[0]
-        path = wa.save("switch")
+        before, loss_a = full_state(wa), wa.evaluator.evaluate()[0]
+        path = wa.checkpointer.save("switch")
         # the second pair loads into a layout built ahead of its launch, as a standby does
         ahead = (a, b) == RESHARD[1]
         layout = prepare_layout(cfg, Strategy(*b), wa.device, corpus.vocab_size) if ahead else None
         wb = Worker(cfg, run_dir, Strategy(*b), launch=2, layout=layout)
         wb.restore(path)
-        after, loss_b = full_state(wb), wb.evaluate()[0]
+        after, loss_b = full_state(wb), wb.evaluator.evaluate()[0]
         max_diff = max(float((before[k] - after[k]).abs().max()) for k in before)
         results["reshard"].append(
             {

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from cona_cli.strategy import Strategy
+from cona_core.strategy import Strategy
 from launch.worker import Worker
 from tests.dist.common import start
 from tests.dist.layouts import LAYOUTS, reference_losses

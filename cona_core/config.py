@@ -17,9 +17,8 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from cona_cli import pretrained
-from cona_cli.cluster.slurm import SlurmError, allocation_hosts
-from cona_cli.strategy import Strategy, StrategyError, divisibility_problems
+from cona_core import pretrained
+from cona_core.strategy import Strategy, StrategyError, divisibility_problems
 
 
 class ConfigError(ValueError):
@@ -84,7 +83,7 @@ MODEL_FAMILIES = ("gpt", "llama", "bert")  # the families of `launch.models` (a 
 class ModelConfig:
     """A transformer of one of the registered families (`launch.models`). With `init_from`, a pretrained
     model folder gives the shape fields it leaves out (a field it states must agree) and the first
-    launch's weights (`cona_cli.pretrained`)."""
+    launch's weights (`cona_core.pretrained`)."""
 
     n_layers: int = _f(check=_positive)  # transformer blocks
     d_model: int = _f(check=_positive)  # hidden size
@@ -166,7 +165,8 @@ LAUNCHERS = ("local", "ssh", "slurm")
 @dataclass(frozen=True)
 class ClusterConfig:
     """Where the workers run. `nodes` in the YAML is a count (`local`, `slurm`), a list of hosts
-    (`ssh`; each a string or {host, env, workdir}), or `slurm` (the hosts of the allocation)."""
+    (`ssh`; each a string or {host, env, workdir}), or `slurm` (the hosts of the allocation: the controller
+    puts their count in its place before it validates the config)."""
 
     nodes: int = _f(1, _positive)  # a count, a list of hosts (ssh) or slurm (the allocation's hosts)
     procs_per_node: int = _f(1, _positive)  # ranks per node (GPUs per node under nccl)
@@ -239,12 +239,8 @@ def _build_cluster(raw: Any) -> ClusterConfig:
             raise ConfigError(f"cluster.nodes: {next(a for a in addrs if addrs.count(a) > 1)} is listed twice")
         raw.setdefault("launcher", "ssh")
         raw["nodes"] = len(hosts)
-    elif nodes == "slurm":
-        raw.setdefault("launcher", "slurm")
-        try:
-            raw["nodes"] = len(allocation_hosts())
-        except SlurmError as e:
-            raise ConfigError(f"cluster.nodes: slurm: {e}") from None
+    elif nodes == "slurm":  # the controller puts the allocation's node count in its place first
+        raise ConfigError("cluster.nodes: slurm: the controller resolves it (cona_cli.run_config.load_config)")
     elif isinstance(nodes, str):
         raise ConfigError(f"cluster.nodes: must be a count, a list of hosts, or slurm, got {nodes!r}")
     cluster = dataclasses.replace(_build_section(ClusterConfig, raw, "cluster"), hosts=hosts)
@@ -310,7 +306,7 @@ class TrainConfig:
     # W&B's files go to $WANDB_DIR, else the run folder
     wandb: dict[str, str] | None = _f(None, _wandb)
     # Run time: wall (the host's) or virtual (real training; each step charged its time from clock_table,
-    # so runs do not depend on the host's load: `cona_cli.clock`)
+    # so runs do not depend on the host's load: `cona_core.clock`)
     clock: str = _f("wall", _one_of("wall", "virtual"))
     # virtual: measured (this host's step times, calibrated once per strategy and cached), a hardware
     # profile's name or YAML path (the planner's step times on that cluster), or {strategy or gbs: seconds}
@@ -618,17 +614,6 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> No
                 node[part] = {}
             node = node[part]
         node[last] = value
-
-
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
-    """Load and validate a YAML config; `overrides` replace top-level keys or `section.key` values."""
-    raw = read_yaml(path)
-    if isinstance(raw, dict):
-        apply_overrides(raw, overrides)
-    try:
-        return config_from_dict(raw, str(path))
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
 
 
 def config_from_json(text: str, source: str) -> Config:

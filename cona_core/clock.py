@@ -34,7 +34,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from cona_cli.strategy import Strategy
+from cona_core.strategy import Strategy
 
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and Adam's two moments
 STORAGE_GBS = 2.0  # checkpoint write and read bandwidth, GB/s

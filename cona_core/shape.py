@@ -1,15 +1,18 @@
-"""What the planner's cost and memory models read of a model: sizes and counts, no torch.
+"""What both sides know of a model family without torch: the shape the planner's cost and memory models
+read (sizes and counts), the vocabulary padding and the special tokens the family's tokenizer adds.
+`launch.models` builds the modules (torch); its specs' `shape` is the same `ModelShape`.
 
 Every function takes plain numbers or numpy arrays (micro-batch sizes) and works on either.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cona_cli.config import ModelConfig
+    from cona_core.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -137,3 +140,30 @@ def bert_shape(m: ModelConfig, vocab: int) -> ModelShape:
         final_norm=False,
         mlm_head=True,
     )
+
+
+SHAPES: dict[str, Callable[[ModelConfig, int], ModelShape]] = {
+    "gpt": gpt_shape,
+    "llama": llama_shape,
+    "bert": bert_shape,
+}
+SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
+    "gpt": (),
+    "llama": (),
+    "bert": ("[PAD]", "[CLS]", "[SEP]", "[MASK]"),  # [MASK] last: id vocab_size - 1
+}
+"""Tokens each family's tokenizer adds after the corpus's own (the corpus cache key includes them): the
+controller prepares the corpus with them, without importing torch."""
+
+VOCAB_MULTIPLE = 128  # Megatron's make-vocab-size-divisible-by: tp 1, 2, 4, 8 (any power of two to 128) divide it
+
+
+def padded_vocab(vocab: int) -> int:
+    """The model's embedding rows for a tokenizer of `vocab` ids: rounded up to a multiple of 128, the same
+    under every layout (so checkpoints move between strategies); the extra rows are never targets."""
+    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def model_shape(m: ModelConfig, vocab: int) -> ModelShape:
+    """The planner's view of the configured model, its vocabulary padded as the engine's."""
+    return SHAPES[m.family](m, padded_vocab(vocab))

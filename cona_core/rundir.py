@@ -1,6 +1,6 @@
 """The run folder: one type that knows the name of every file in it (docs/run-dir.md is the reference).
 
-Controller and workers share it, so it imports nothing but the standard library. The checkpoint
+Controller and workers share it (`cona_core`: the standard library only). The checkpoint
 folder's layout (`checkpoints/step_000120/` with `trainer.json` and a `COMMITTED` marker written
 last) is named here too; what reads and writes the DCP shards lives in `launch.checkpoint`.
 """
@@ -17,22 +17,6 @@ from typing import Any
 
 MARKER = "COMMITTED"  # written last into a checkpoint folder: the checkpoint is complete
 TRAINER_STATE = "trainer.json"  # step, consumed samples, strategy, schedule and statistics state
-BAD_CHECKPOINT_EXIT = 3  # a worker that cannot load its checkpoint exits with this code
-OUT_OF_MEMORY_EXIT = 4  # a worker that ran out of device (or host) memory exits with this code
-# A rank that SIGTERM stopped (after it checkpointed with the others) exits with this code: it cannot tell
-# its agent's stop from a stray signal, and an agent that is not stopping must see the launch fail.
-SIGNALLED_EXIT = 143
-PEER_LOST = (  # a rank's error when another rank died: gloo's and the TCP store's words, then NCCL's
-    "Connection reset by peer",
-    "Connection closed by peer",
-    "Connection refused",
-    "Connection was likely closed",
-    "ncclRemoteError",
-    "remote process exited or there was a network error",
-    "NCCL communicator was aborted",
-    "Watchdog caught collective operation timeout",
-    "Some NCCL operations have failed or timed out",
-)
 
 
 @dataclass(frozen=True)
@@ -68,7 +52,7 @@ class RunDir:
 
     @property
     def clock(self) -> Path:
-        """Under the virtual clock: its table and charges (`cona_cli.clock.ClockSpec`)."""
+        """Under the virtual clock: its table and charges (`cona_core.clock.ClockSpec`)."""
         return self.path / "clock.json"
 
     @property

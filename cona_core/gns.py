@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from cona_cli.strategy import Strategy
+from cona_core.strategy import Strategy
 
 
 def measurable(s: Strategy, dp_impl: str = "ddp") -> bool:
