@@ -2,18 +2,16 @@
 range or choices and meaning. Run `python -m cona_cli.config_docs` (or `cona config docs`) after changing
 cona_core/config.py; tests/test_cli.py checks the committed file is current.
 
-A field's meaning is its `help` metadata if it has one, else its comment in cona_core/config.py: the
-comment lines right above the field and the comment at the end of its line(s)."""
+A field's meaning is its attribute docstring in cona_core/config.py: the string literal right after the
+field, read with `ast`."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import inspect
-import io
 import json
 import sys
-import tokenize
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -55,29 +53,20 @@ _TOP_LEVEL = [
 ]
 
 
-def _comments(cls: type) -> dict[str, str]:
-    """Field name -> its comments in the class's source (above and at the end of its lines)."""
-    try:
-        lines, _ = inspect.getsourcelines(cls)
-    except (OSError, TypeError):
-        return {}
-    text = "".join(lines)
-    by_line: dict[int, str] = {}
-    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        if tok.type == tokenize.COMMENT:
-            by_line[tok.start[0]] = tok.string.lstrip("#").strip()
-    code = text.splitlines()
-    out: dict[str, str] = {}
-    (node,) = ast.parse(text).body
-    for stmt in node.body:  # type: ignore[attr-defined]
-        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
-            continue
-        above, n = [], stmt.lineno - 1
-        while n in by_line and code[n - 1].lstrip().startswith("#"):
-            above.insert(0, by_line[n])
-            n -= 1
-        trailing = [by_line[i] for i in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1) if i in by_line]
-        out[stmt.target.id] = " ".join(trailing or above)  # with its own comment, the lines above head a group
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its attribute docstring (the string right after the field in the class's source)."""
+    tree = ast.parse(Path(inspect.getfile(cls)).read_text())
+    (node,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    out = {}
+    for stmt, after in zip(node.body, node.body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            out[stmt.target.id] = inspect.cleandoc(after.value.value)
     return out
 
 
@@ -153,14 +142,14 @@ def render() -> str:
     out += [f"| `{k}` | {t} | {d} | {r} | {_cell(m)} |" for k, t, d, r, m in _TOP_LEVEL]
     for name, cls in sections().items():
         hints = get_type_hints(cls)
-        notes = _comments(cls)
+        docs = field_docs(cls)
         doc = inspect.getdoc(cls) or ""
         out += ["", f"## `{name}`", "", _cell(doc), "", "| key | type | default | range / choices | meaning |"]
         out.append("| --- | --- | --- | --- | --- |")
         for f in dataclasses.fields(cls):
             if not f.metadata.get("yaml", True):
                 continue
-            meaning = f.metadata.get("help") or notes.get(f.name, "")
+            meaning = docs.get(f.name, "")
             row = [f"`{f.name}`", _type(hints[f.name]), _default(f), _range(f, hints[f.name]), _cell(meaning)]
             out.append("| " + " | ".join(row) + " |")
     return "\n".join(out) + "\n"

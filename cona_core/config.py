@@ -85,19 +85,28 @@ class ModelConfig:
     model folder gives the shape fields it leaves out (a field it states must agree) and the first
     launch's weights (`cona_core.pretrained`)."""
 
-    n_layers: int = _f(check=_positive)  # transformer blocks
-    d_model: int = _f(check=_positive)  # hidden size
-    n_heads: int = _f(check=_positive)  # attention heads (d_model / n_heads must be even: RoPE)
-    ffn: int = _f(check=_positive)  # MLP hidden size
-    seq_len: int = _f(check=_positive)  # tokens per sequence (context length)
-    family: str = _f("gpt", _one_of(*MODEL_FAMILIES))  # model family: its blocks, norms and tokenizer conventions
-    n_kv_heads: int | None = _f(None, _positive)  # grouped-query attention (llama)
-    dropout: float = _f(0.0, _fraction)  # dropout probability
-    rope_theta: float = _f(500000.0, _positive)  # RoPE base (llama; Llama 3's default)
-    # A Hugging Face model folder (GPT-2, Llama, BERT: config.json and safetensors) or a `cona export` folder:
-    # its config gives the fields above that are left out, its weights start the run (a resumed launch
-    # loads its checkpoint instead), its tokenizer.json becomes data.tokenizer unless that is given
+    n_layers: int = _f(check=_positive)
+    """transformer blocks"""
+    d_model: int = _f(check=_positive)
+    """hidden size"""
+    n_heads: int = _f(check=_positive)
+    """attention heads (d_model / n_heads must be even: RoPE)"""
+    ffn: int = _f(check=_positive)
+    """MLP hidden size"""
+    seq_len: int = _f(check=_positive)
+    """tokens per sequence (context length)"""
+    family: str = _f("gpt", _one_of(*MODEL_FAMILIES))
+    """model family: its blocks, norms and tokenizer conventions"""
+    n_kv_heads: int | None = _f(None, _positive)
+    """grouped-query attention (llama)"""
+    dropout: float = _f(0.0, _fraction)
+    """dropout probability"""
+    rope_theta: float = _f(500000.0, _positive)
+    """RoPE base (llama; Llama 3's default)"""
     init_from: str | None = _f(None, lambda v: None if v else "must not be empty")
+    """A Hugging Face model folder (GPT-2, Llama, BERT: config.json and safetensors) or a `cona export` folder: its
+    config gives the fields above that are left out, its weights start the run (a resumed launch loads its checkpoint
+    instead), its tokenizer.json becomes data.tokenizer unless that is given"""
 
     @property
     def kv_heads(self) -> int:
@@ -125,23 +134,32 @@ class DataConfig:
     """Where the training data comes from, its format and its tokenizer (docs/data.md). No `path`: a
     generated synthetic corpus."""
 
-    path: str | None = _f(None)  # a folder, a file, a glob or a Megatron prefix
-    format: str = _f("auto", _one_of(*DATA_FORMATS))  # auto: from the file names
-    valid_path: str | None = _f(None)  # validation data (default: files named val*/valid* in path, else a split)
-    valid_fraction: float = _f(0.05, lambda v: None if 0 < v < 1 else "must be in (0, 1)")  # of the documents
-    valid_seed: int = _f(0, _non_negative)  # the draw of the validation documents
-    # bpe (trained on the corpus), byte, PATH (a Hugging Face tokenizer.json or a local tokenizer folder),
-    # or a hub name ORG/NAME (its tokenizer.json in the local Hugging Face cache, HF_HOME; never downloaded)
+    path: str | None = _f(None)
+    """a folder, a file, a glob or a Megatron prefix"""
+    format: str = _f("auto", _one_of(*DATA_FORMATS))
+    """auto: from the file names"""
+    valid_path: str | None = _f(None)
+    """validation data (default: files named val*/valid* in path, else a split)"""
+    valid_fraction: float = _f(0.05, lambda v: None if 0 < v < 1 else "must be in (0, 1)")
+    """of the documents"""
+    valid_seed: int = _f(0, _non_negative)
+    """the draw of the validation documents"""
     tokenizer: str = _f("bpe", _tokenizer)
-    # bpe: the trained vocabulary; pre-tokenized data without a tokenizer: the ids in use; and what
-    # `cona search` plans with before a corpus is prepared. A PATH tokenizer sets the run's own.
+    """bpe (trained on the corpus), byte, PATH (a Hugging Face tokenizer.json or a local tokenizer folder), or a hub
+    name ORG/NAME (its tokenizer.json in the local Hugging Face cache, HF_HOME; never downloaded)"""
     vocab_size: int = _f(2048, lambda v: None if 260 <= v <= MAX_VOCAB else f"must be in [260, {MAX_VOCAB}]")
-    # text: what ends a document (blank: a whitespace-only line; line; file; or any other string between them)
+    """bpe: the trained vocabulary; pre-tokenized data without a tokenizer: the ids in use; and what `cona search` plans
+    with before a corpus is prepared. A PATH tokenizer sets the run's own."""
     doc_separator: str = _f("blank", lambda v: None if v else "must not be empty")
-    text_key: str = _f("text", lambda v: None if v else "must not be empty")  # jsonl / hf: the text field
-    dtype: str | None = _f(None, _one_of("uint16", "uint32", "int32"))  # bin: the raw tokens' dtype
-    cache_dir: str | None = _f(None)  # where prepared token arrays are cached (default: beside the data; CONA_CACHE)
-    synthetic_tokens: int = _f(400_000, _positive)  # size of the generated corpus when there is no path
+    """text: what ends a document (blank: a whitespace-only line; line; file; or any other string between them)"""
+    text_key: str = _f("text", lambda v: None if v else "must not be empty")
+    """jsonl / hf: the text field"""
+    dtype: str | None = _f(None, _one_of("uint16", "uint32", "int32"))
+    """bin: the raw tokens' dtype"""
+    cache_dir: str | None = _f(None)
+    """where prepared token arrays are cached (default: beside the data; CONA_CACHE)"""
+    synthetic_tokens: int = _f(400_000, _positive)
+    """size of the generated corpus when there is no path"""
 
 
 @dataclass(frozen=True)
@@ -168,29 +186,45 @@ class ClusterConfig:
     (`ssh`; each a string or {host, env, workdir}), or `slurm` (the hosts of the allocation: the controller
     puts their count in its place before it validates the config)."""
 
-    nodes: int = _f(1, _positive)  # a count, a list of hosts (ssh) or slurm (the allocation's hosts)
-    procs_per_node: int = _f(1, _positive)  # ranks per node (GPUs per node under nccl)
-    # torch.distributed backend; auto: nccl where ranks have GPUs, else gloo
+    nodes: int = _f(1, _positive)
+    """a count, a list of hosts (ssh) or slurm (the allocation's hosts)"""
+    procs_per_node: int = _f(1, _positive)
+    """ranks per node (GPUs per node under nccl)"""
     backend: str = _f("auto", _one_of("auto", "gloo", "nccl"))
-    threads_per_proc: int | None = _f(None, _positive)  # OMP threads per rank (default $OMP_NUM_THREADS, or CPUs/ranks)
-    launcher: str = _f("local", _one_of(*LAUNCHERS))  # how nodes are started: local processes, ssh or srun
-    head_addr: str | None = _f(None)  # this machine's address on the cluster network (telemetry binds it)
-    rdzv_endpoint: str | None = _f(None)  # host[:port] of the c10d store; default head_addr, a free port
-    env: dict[str, str] = _empty(dict)  # given to every node
-    workdir: str | None = _f(None)  # where node commands run (default: this process's working folder)
-    python: str | None = _f(None)  # interpreter on the nodes (default: this one)
-    ssh_args: list[str] = _empty(list)  # extra ssh options, e.g. [-p, "2222", -i, key]
-    srun_args: list[str] = _empty(list)  # extra srun options
-    sbatch_options: list[str] = _empty(list)  # #SBATCH lines for `cona train --sbatch`
-    # `--sbatch` scripts: Slurm sends SIGUSR1 this many seconds before the time limit; the controller
-    # checkpoints, requeues the job, and the requeued script resumes the run folder.
+    """torch.distributed backend; auto: nccl where ranks have GPUs, else gloo"""
+    threads_per_proc: int | None = _f(None, _positive)
+    """OMP threads per rank (default $OMP_NUM_THREADS, or CPUs/ranks)"""
+    launcher: str = _f("local", _one_of(*LAUNCHERS))
+    """how nodes are started: local processes, ssh or srun"""
+    head_addr: str | None = _f(None)
+    """this machine's address on the cluster network (telemetry binds it)"""
+    rdzv_endpoint: str | None = _f(None)
+    """host[:port] of the c10d store; default head_addr, a free port"""
+    env: dict[str, str] = _empty(dict)
+    """given to every node"""
+    workdir: str | None = _f(None)
+    """where node commands run (default: this process's working folder)"""
+    python: str | None = _f(None)
+    """interpreter on the nodes (default: this one)"""
+    ssh_args: list[str] = _empty(list)
+    """extra ssh options, e.g. [-p, "2222", -i, key]"""
+    srun_args: list[str] = _empty(list)
+    """extra srun options"""
+    sbatch_options: list[str] = _empty(list)
+    """#SBATCH lines for `cona train --sbatch`"""
     requeue_signal_s: int = _f(300, _positive)
-    probe_timeout_s: float = _f(30.0, _positive)  # how long nodes wait to see each other's probe files
-    # Pre-warm the next launch while one trains, so switches skip start-up (one import per node, forkrun).
+    """`--sbatch` scripts: Slurm sends SIGUSR1 this many seconds before the time limit; the controller checkpoints,
+    requeues the job, and the requeued script resumes the run folder."""
+    probe_timeout_s: float = _f(30.0, _positive)
+    """how long nodes wait to see each other's probe files"""
     standby: bool = _f(True, lambda v: None if isinstance(v, bool) else "must be true or false")
-    startup_timeout_s: float = _f(1800.0, _positive)  # collective timeout until the first step is through
-    collective_timeout_s: float = _f(600.0, _positive)  # collective timeout after the first step
-    hosts: tuple[NodeSpec, ...] = field(default=(), metadata={"yaml": False})  # `ssh`: from `nodes`
+    """Pre-warm the next launch while one trains, so switches skip start-up (one import per node, forkrun)."""
+    startup_timeout_s: float = _f(1800.0, _positive)
+    """collective timeout until the first step is through"""
+    collective_timeout_s: float = _f(600.0, _positive)
+    """collective timeout after the first step"""
+    hosts: tuple[NodeSpec, ...] = field(default=(), metadata={"yaml": False})
+    """`ssh`: from `nodes`"""
 
     @property
     def world(self) -> int:
@@ -255,105 +289,148 @@ def _build_cluster(raw: Any) -> ClusterConfig:
 class TrainConfig:
     """Optimiser, schedule (in tokens, so it survives changes of gbs), evaluation and stop rules."""
 
-    lr: float = _f(1e-3, _positive)  # peak learning rate at lr_base_gbs
-    # the schedule's final LR as a fraction of lr
+    lr: float = _f(1e-3, _positive)
+    """peak learning rate at lr_base_gbs"""
     min_lr_ratio: float = _f(0.1, lambda v: None if 0 <= v <= 1 else "must be in [0, 1]")
-    # LR decay after warmup (cosine, linear need decay_tokens or max_tokens)
+    """the schedule's final LR as a fraction of lr"""
     schedule: str = _f("cosine", _one_of("constant", "cosine", "linear"))
-    warmup_tokens: int = _f(0, _non_negative)  # linear warmup from 0, in tokens
-    decay_tokens: int | None = _f(None, _positive)  # tokens of the decay after warmup (default: max_tokens)
-    # adascale: lr·r^½ and the schedule on the progress clock Σ r (launch.lr); sqrt/linear/none: on tokens
+    """LR decay after warmup (cosine, linear need decay_tokens or max_tokens)"""
+    warmup_tokens: int = _f(0, _non_negative)
+    """linear warmup from 0, in tokens"""
+    decay_tokens: int | None = _f(None, _positive)
+    """tokens of the decay after warmup (default: max_tokens)"""
     lr_scaling: str = _f("adascale", _one_of("adascale", "sqrt", "linear", "none"))
-    lr_base_gbs: int | None = _f(None, _positive)  # the batch lr was tuned at (default: the ladder's lowest rung)
-    weight_decay: float = _f(0.1, _non_negative)  # AdamW weight decay
-    beta1: float = _f(0.9, _fraction)  # AdamW beta1
-    beta2: float = _f(0.95, _fraction)  # AdamW beta2
-    grad_clip: float = _f(1.0, _non_negative)  # gradient norm clip (0: off)
-    seed: int = _f(1234, _non_negative)  # seed of initialisation and data order
-    eval_interval: int | None = _f(None, _positive)  # steps between evaluations
-    eval_interval_s: float | None = _f(None, _positive)  # seconds between evaluations
-    eval_tokens: int = _f(8192, _positive)  # validation tokens per evaluation (the same slice every time)
-    max_steps: int | None = _f(None, _positive)  # stop rule: optimizer steps
-    max_tokens: int | None = _f(None, _positive)  # stop rule: training tokens
-    max_time: float | None = _f(None, _positive)  # stop rule: seconds of training
-    # stop rule: validation perplexity reached (needs evaluations)
+    """adascale: lr·r^½ and the schedule on the progress clock Σ r (launch.lr); sqrt/linear/none: on tokens"""
+    lr_base_gbs: int | None = _f(None, _positive)
+    """the batch lr was tuned at (default: the ladder's lowest rung)"""
+    weight_decay: float = _f(0.1, _non_negative)
+    """AdamW weight decay"""
+    beta1: float = _f(0.9, _fraction)
+    """AdamW beta1"""
+    beta2: float = _f(0.95, _fraction)
+    """AdamW beta2"""
+    grad_clip: float = _f(1.0, _non_negative)
+    """gradient norm clip (0: off)"""
+    seed: int = _f(1234, _non_negative)
+    """seed of initialisation and data order"""
+    eval_interval: int | None = _f(None, _positive)
+    """steps between evaluations"""
+    eval_interval_s: float | None = _f(None, _positive)
+    """seconds between evaluations"""
+    eval_tokens: int = _f(8192, _positive)
+    """validation tokens per evaluation (the same slice every time)"""
+    max_steps: int | None = _f(None, _positive)
+    """stop rule: optimizer steps"""
+    max_tokens: int | None = _f(None, _positive)
+    """stop rule: training tokens"""
+    max_time: float | None = _f(None, _positive)
+    """stop rule: seconds of training"""
     target_ppl: float | None = _f(None, lambda v: None if v > 1 else "must be > 1")
-    # policy ramp: Megatron's --rampup-batch-size START INCREMENT SAMPLES (the batch grows from START by
-    # INCREMENT over SAMPLES consumed samples, up to the strategy's global batch)
+    """stop rule: validation perplexity reached (needs evaluations)"""
     rampup_batch_size: list[int] | None = _f(None, _positive)
-    checkpoint_keep: int = _f(2, _positive)  # checkpoints kept (older ones are deleted)
-    checkpoint_interval: int | None = _f(None, _positive)  # steps between periodic checkpoints
-    # Periodic checkpoints every this many seconds of training (null: off). Never more than
-    # checkpoint_max_share of the time: each save's measured duration d stretches the wait before the
-    # next to at least d / checkpoint_max_share (a 6 s save at 0.02: ≥ 300 s apart).
+    """policy ramp: Megatron's --rampup-batch-size START INCREMENT SAMPLES (the batch grows from START by INCREMENT over
+    SAMPLES consumed samples, up to the strategy's global batch)"""
+    checkpoint_keep: int = _f(2, _positive)
+    """checkpoints kept (older ones are deleted)"""
+    checkpoint_interval: int | None = _f(None, _positive)
+    """steps between periodic checkpoints"""
     checkpoint_interval_s: float | None = _f(600.0, _positive)
-    # the most of the training time periodic checkpoints may take
+    """Periodic checkpoints every this many seconds of training (null: off). Never more than checkpoint_max_share of the
+    time: each save's measured duration d stretches the wait before the next to at least d / checkpoint_max_share (a
+    6 s save at 0.02: ≥ 300 s apart)."""
     checkpoint_max_share: float = _f(0.02, lambda v: None if 0 < v <= 1 else "must be in (0, 1]")
-    # Periodic checkpoints written in the background (DCP async_save: training waits only for the copy
-    # to host memory; committed once every rank's write is done): auto (on GPUs), true or false
-    checkpoint_async: bool | str = _f(
-        "auto", lambda v: None if v in ("auto", True, False) else "must be auto, true or false"
-    )
-    max_restarts: int = _f(3, _non_negative)  # relaunches after failures within restart_window_s
-    restart_window_s: float = _f(3600.0, _positive)  # the window max_restarts counts failures in
-    gns: bool = _f(True)  # measure the gradient noise scale every step
-    gns_window: float = _f(1024.0, _positive)  # samples of the trailing window the GNS is pooled over
-    dp_impl: str = _f("ddp", _one_of("ddp", "fsdp"))  # data parallelism: DDP or FSDP (sharded)
-    pp_schedule: str = _f("1f1b", _one_of("1f1b", "gpipe"))  # pipeline schedule
-    tensorboard: bool = _f(False)  # step, eval and decision metrics as TensorBoard event files too
-    # the same metrics to Weights & Biases: {project, name, mode}, each optional (project: $WANDB_PROJECT or
-    # W&B's default; name: the run folder's; mode: online, offline or disabled, default $WANDB_MODE or online);
-    # W&B's files go to $WANDB_DIR, else the run folder
+    """the most of the training time periodic checkpoints may take"""
+    checkpoint_async: bool | str = _f("auto", lambda v: None if v in ("auto", True, False) else _AUTO_BOOL)
+    """Periodic checkpoints written in the background (DCP async_save: training waits only for the copy to host memory;
+    committed once every rank's write is done): auto (on GPUs), true or false"""
+    max_restarts: int = _f(3, _non_negative)
+    """relaunches after failures within restart_window_s"""
+    restart_window_s: float = _f(3600.0, _positive)
+    """the window max_restarts counts failures in"""
+    gns: bool = _f(True)
+    """measure the gradient noise scale every step"""
+    gns_window: float = _f(1024.0, _positive)
+    """samples of the trailing window the GNS is pooled over"""
+    dp_impl: str = _f("ddp", _one_of("ddp", "fsdp"))
+    """data parallelism: DDP or FSDP (sharded)"""
+    pp_schedule: str = _f("1f1b", _one_of("1f1b", "gpipe"))
+    """pipeline schedule"""
+    tensorboard: bool = _f(False)
+    """step, eval and decision metrics as TensorBoard event files too"""
     wandb: dict[str, str] | None = _f(None, _wandb)
-    # Run time: wall (the host's) or virtual (real training; each step charged its time from clock_table,
-    # so runs do not depend on the host's load: `cona_core.clock`)
+    """the same metrics to Weights & Biases: {project, name, mode}, each optional (project: $WANDB_PROJECT or W&B's
+    default; name: the run folder's; mode: online, offline or disabled, default $WANDB_MODE or online); W&B's files
+    go to $WANDB_DIR, else the run folder"""
     clock: str = _f("wall", _one_of("wall", "virtual"))
-    # virtual: measured (this host's step times, calibrated once per strategy and cached), a hardware
-    # profile's name or YAML path (the planner's step times on that cluster), or {strategy or gbs: seconds}
+    """Run time: wall (the host's) or virtual (real training; each step charged its time from clock_table, so runs do
+    not depend on the host's load: `cona_core.clock`)"""
     clock_table: str | dict[str | int, float] | None = _f(None, _clock_table)
-    # virtual: log std of a step's time factor (default: the calibration's measured spread; 0 for a profile or mapping)
+    """virtual: measured (this host's step times, calibrated once per strategy and cached), a hardware profile's name or
+    YAML path (the planner's step times on that cluster), or {strategy or gbs: seconds}"""
     clock_noise: float | None = _f(None, _non_negative)
+    """virtual: log std of a step's time factor (default: the calibration's measured spread; 0 for a profile or
+    mapping)"""
 
 
 @dataclass(frozen=True)
 class SearchConfig:
     """Search space and planner settings (used by `cona search` and the online controller)."""
 
-    hardware: str = _f("cpu-local")  # hardware profile name or YAML path (the cost model's device)
-    gbs_min: int | None = _f(None, _positive)  # lowest rung of the ladder (default: gbs_static, else the world size)
-    gbs_max: int | None = _f(None, _positive)  # highest rung (default: 16 x the lowest)
-    # the global batch rungs (default: powers of two from gbs_min to gbs_max)
+    hardware: str = _f("cpu-local")
+    """hardware profile name or YAML path (the cost model's device)"""
+    gbs_min: int | None = _f(None, _positive)
+    """lowest rung of the ladder (default: gbs_static, else the world size)"""
+    gbs_max: int | None = _f(None, _positive)
+    """highest rung (default: 16 x the lowest)"""
     gbs_ladder: list[int] | None = _f(None, _positive)
-    mbs: list[int] | None = _f(None, _positive)  # micro-batch sizes to consider (default: all that divide)
-    max_tp: int | None = _f(None, _positive)  # largest tensor-parallel degree to consider
-    tp_within_node: bool = _f(True)  # keep each TP group inside one node
-    gbs_static: int | None = _f(None, _positive)  # the global batch of policy static (strategy auto) and of search
-    # Compute precision of training and of the cost model: bf16 (fp32 master weights, gradients and Adam
-    # moments), fp32, or auto: bf16 on CUDA ranks and GPU profiles with a bf16 peak, fp32 on CPUs.
+    """the global batch rungs (default: powers of two from gbs_min to gbs_max)"""
+    mbs: list[int] | None = _f(None, _positive)
+    """micro-batch sizes to consider (default: all that divide)"""
+    max_tp: int | None = _f(None, _positive)
+    """largest tensor-parallel degree to consider"""
+    tp_within_node: bool = _f(True)
+    """keep each TP group inside one node"""
+    gbs_static: int | None = _f(None, _positive)
+    """the global batch of policy static (strategy auto) and of search"""
     precision: str = _f("auto", _precision)
-    recompute: bool = _f(False)  # activation recomputation (less memory, a recomputed forward)
-    memory_margin: float = _f(0.1, _fraction)  # device memory kept free when judging a strategy feasible
-    exhaustive_max: int = _f(64, _non_negative)  # spaces up to this many strategies are evaluated exhaustively
-    budget: int = _f(24, _positive)  # Bayesian search: evaluations at most
-    seed: int = _f(0, _non_negative)  # Bayesian search seed (and the calibration's)
-    n_initial: int = _f(6, _positive)  # Bayesian search: random points before the model guides it
-    ei_stop: float = _f(1e-4, _fraction)  # Bayesian search stops when expected improvement (relative) falls below this
+    """Compute precision of training and of the cost model: bf16 (fp32 master weights, gradients and Adam moments),
+    fp32, or auto: bf16 on CUDA ranks and GPU profiles with a bf16 peak, fp32 on CPUs."""
+    recompute: bool = _f(False)
+    """activation recomputation (less memory, a recomputed forward)"""
+    memory_margin: float = _f(0.1, _fraction)
+    """device memory kept free when judging a strategy feasible"""
+    exhaustive_max: int = _f(64, _non_negative)
+    """spaces up to this many strategies are evaluated exhaustively"""
+    budget: int = _f(24, _positive)
+    """Bayesian search: evaluations at most"""
+    seed: int = _f(0, _non_negative)
+    """Bayesian search seed (and the calibration's)"""
+    n_initial: int = _f(6, _positive)
+    """Bayesian search: random points before the model guides it"""
+    ei_stop: float = _f(1e-4, _fraction)
+    """Bayesian search stops when expected improvement (relative) falls below this"""
     # online controller (policy: cona; `control.switch_rule`)
-    confidence: float = _f(
-        0.99, lambda v: None if 0.5 <= v < 1 else "must be in [0.5, 1)"
-    )  # the confidence level of the Φ ratio's lower bound
-    switch_cost_s: float = _f(5.0, _non_negative)  # initial estimate of a cold relaunch, replaced by measured ones
-    warm_switch_cost_s: float = _f(2.0, _non_negative)  # the same for a hand-over to a ready standby
-    in_place: bool = _f(True)  # switches that keep dp, tp and pp (pp = 1) resize the running job, no relaunch
-    decision_every: int = _f(5, _positive)  # steps between decisions
-    min_steps: int = _f(10, _positive)  # timed steps of the running strategy before it is reconsidered (dwell)
-    kappa: float = _f(1.0, _positive)  # Φ's multiplier on the GNS: 1 is the surrogate as derived; an override only
+    confidence: float = _f(0.99, lambda v: None if 0.5 <= v < 1 else "must be in [0.5, 1)")
+    """the confidence level of the Φ ratio's lower bound"""
+    switch_cost_s: float = _f(5.0, _non_negative)
+    """initial estimate of a cold relaunch, replaced by measured ones"""
+    warm_switch_cost_s: float = _f(2.0, _non_negative)
+    """the same for a hand-over to a ready standby"""
+    in_place: bool = _f(True)
+    """switches that keep dp, tp and pp (pp = 1) resize the running job, no relaunch"""
+    decision_every: int = _f(5, _positive)
+    """steps between decisions"""
+    min_steps: int = _f(10, _positive)
+    """timed steps of the running strategy before it is reconsidered (dwell)"""
+    kappa: float = _f(1.0, _positive)
+    """Φ's multiplier on the GNS: 1 is the surrogate as derived; an override only"""
 
 
 @dataclass(frozen=True)
 class ChainStage:
     strategy: Strategy
-    steps: int | None  # None: the last stage runs until the stop rule
+    steps: int | None
+    """None: the last stage runs until the stop rule"""
 
 
 @dataclass(frozen=True)
@@ -367,7 +444,8 @@ class Config:
     chain: tuple[ChainStage, ...] | None
     policy: str
     source: str
-    auto_strategy: bool = False  # `strategy: auto`: the planner's fastest strategy at search.gbs_static
+    auto_strategy: bool = False
+    """`strategy: auto`: the planner's fastest strategy at search.gbs_static"""
 
     def to_raw(self) -> dict[str, Any]:
         """The resolved config as a plain document that `config_from_dict` accepts again."""
@@ -529,42 +607,115 @@ def config_from_dict(raw: Any, source: str = "<config>", read_init_from: bool = 
     return cfg
 
 
-def cross_field_problem(cfg: Config) -> str | None:
-    """The first rule between two or more keys that the config breaks, as `key: why` (None if none)."""
-    m, t, s = cfg.model, cfg.train, cfg.search
+# Rules between two or more keys, each a check that gives `key: why` or None; the first broken one is reported.
+
+
+def _heads_divide_d_model(c: Config) -> str | None:
+    m = c.model
     if m.d_model % m.n_heads:
         return f"model.d_model: {m.d_model} is not divisible by model.n_heads {m.n_heads}"
-    if (m.d_model // m.n_heads) % 2:
-        return f"model.d_model: the head size d_model / n_heads = {m.d_model // m.n_heads} must be even (RoPE)"
+    return None
+
+
+def _head_size_even(c: Config) -> str | None:
+    head = c.model.d_model // c.model.n_heads
+    if head % 2:
+        return f"model.d_model: the head size d_model / n_heads = {head} must be even (RoPE)"
+    return None
+
+
+def _kv_heads_divide_heads(c: Config) -> str | None:
+    m = c.model
     if m.n_heads % m.kv_heads:
         return f"model.n_kv_heads: {m.kv_heads} does not divide model.n_heads {m.n_heads}"
+    return None
+
+
+def _grouped_query_only_llama(c: Config) -> str | None:
+    m = c.model
     if m.kv_heads != m.n_heads and m.family != "llama":
         return f"model.n_kv_heads: grouped-query attention is llama's; the {m.family} family has n_heads K/V heads"
+    return None
+
+
+def _warmup_within_decay(c: Config) -> str | None:
+    t = c.train
     if t.decay_tokens is not None and t.warmup_tokens > t.decay_tokens:
         return f"train.warmup_tokens: {t.warmup_tokens} is more than train.decay_tokens {t.decay_tokens}"
+    return None
+
+
+def _target_needs_evaluations(c: Config) -> str | None:
+    t = c.train
     if t.target_ppl is not None and t.eval_interval is None and t.eval_interval_s is None:
         return "train.target_ppl: needs evaluations (train.eval_interval or train.eval_interval_s)"
-    lowest = s.gbs_min or s.gbs_static or cfg.cluster.world
-    if not s.gbs_ladder and s.gbs_max is not None and s.gbs_max < lowest:  # (an explicit ladder wins)
-        below = (
-            f"search.gbs_min {s.gbs_min}"
-            if s.gbs_min
-            else f"search.gbs_static {s.gbs_static}"
-            if s.gbs_static
-            else f"the world size {cfg.cluster.world}"
-        )
-        return f"search.gbs_max: {s.gbs_max} is below {below} (the ladder's lowest rung)"
+    return None
+
+
+def _gbs_max_above_lowest_rung(c: Config) -> str | None:
+    s = c.search
+    if s.gbs_ladder or s.gbs_max is None or s.gbs_max >= (s.gbs_min or s.gbs_static or c.cluster.world):
+        return None  # (an explicit ladder wins)
+    if s.gbs_min:
+        below = f"search.gbs_min {s.gbs_min}"
+    elif s.gbs_static:
+        below = f"search.gbs_static {s.gbs_static}"
+    else:
+        below = f"the world size {c.cluster.world}"
+    return f"search.gbs_max: {s.gbs_max} is below {below} (the ladder's lowest rung)"
+
+
+def _initial_points_within_budget(c: Config) -> str | None:
+    s = c.search
     if s.n_initial > s.budget:
         return f"search.n_initial: {s.n_initial} initial points exceed search.budget {s.budget}"
-    if t.rampup_batch_size is not None and len(t.rampup_batch_size) != 3:
+    return None
+
+
+def _rampup_has_three_numbers(c: Config) -> str | None:
+    if c.train.rampup_batch_size is not None and len(c.train.rampup_batch_size) != 3:
         return "train.rampup_batch_size: must be [START, INCREMENT, SAMPLES] (Megatron's --rampup-batch-size)"
-    if cfg.policy == "cona" and not t.gns:
+    return None
+
+
+def _cona_needs_gns(c: Config) -> str | None:
+    if c.policy == "cona" and not c.train.gns:
         return "train.gns: policy cona decides on the gradient noise scale; it needs gns: true"
+    return None
+
+
+def _clock_settings_need_virtual(c: Config) -> str | None:
+    t = c.train
     if t.clock == "wall" and (t.clock_table is not None or t.clock_noise is not None):
         return f"train.clock_{'table' if t.clock_table is not None else 'noise'}: only with train.clock: virtual"
-    if cfg.policy == "ramp" and t.rampup_batch_size is None:
+    return None
+
+
+def _ramp_needs_rampup(c: Config) -> str | None:
+    if c.policy == "ramp" and c.train.rampup_batch_size is None:
         return "policy: ramp needs train.rampup_batch_size [START, INCREMENT, SAMPLES]"
     return None
+
+
+CROSS_FIELD_RULES: tuple[Callable[[Config], str | None], ...] = (
+    _heads_divide_d_model,
+    _head_size_even,
+    _kv_heads_divide_heads,
+    _grouped_query_only_llama,
+    _warmup_within_decay,
+    _target_needs_evaluations,
+    _gbs_max_above_lowest_rung,
+    _initial_points_within_budget,
+    _rampup_has_three_numbers,
+    _cona_needs_gns,
+    _clock_settings_need_virtual,
+    _ramp_needs_rampup,
+)
+
+
+def cross_field_problem(cfg: Config) -> str | None:
+    """The first of `CROSS_FIELD_RULES` that the config breaks, as `key: why` (None if none)."""
+    return next((problem for rule in CROSS_FIELD_RULES if (problem := rule(cfg))), None)
 
 
 def validate_strategies(cfg: Config) -> None:

@@ -227,7 +227,9 @@ def test_docs_list_every_field_with_its_meaning(tmp_path: Path) -> None:
                 cells = rows[f"{name}.{f.name}"]
                 if not cells[4]:
                     unexplained.append(f"{name}.{f.name}")
-    assert not unexplained, f"fields without a meaning (add a comment in cona_core/config.py): {unexplained}"
+    assert not unexplained, (
+        f"fields without a meaning (add a docstring after the field in cona_core/config.py): {unexplained}"
+    )
     assert rows["train.lr"][1:4] == ["float", "`0.001`", "> 0"]
     assert rows["model.n_layers"][2] == "**required**"
     assert rows["model.family"][3] == "one of gpt, llama, bert"
