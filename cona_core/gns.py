@@ -8,7 +8,12 @@ batch of B_big samples), E|G_B|^2 = |G|^2 + tr(Sigma)/B gives the unbiased estim
 
 and GNS = tr(Sigma) / |G|^2, in samples: the ratio of the two estimates' means over the steps that
 cover the last `window` samples (a window in samples, so runs with large batches, few steps, do not
-hold on to their early values). The workers' LR and the policy's decisions read the same estimate.
+hold on to their early values). One window type serves both readers, so that they pool the same raw
+estimates by construction; only its reset rule differs:
+- the workers' LR (`per_batch=False`) keeps the steps of an earlier batch in the window;
+- the cona policy (`per_batch=True`) starts a new window when the batch changes: the estimate depends on
+  the batch that trained the weights (from one state, 20–60 steps at gbs 32 read 63–100 where gbs 8
+  reads 27–40, docs/switching.md), so an old batch's estimates would bias comparisons made after it.
 """
 
 from __future__ import annotations
@@ -44,15 +49,25 @@ class NoiseWindow:
     """The two-batch estimates of the most recent steps that cover `window` samples, pooled as a ratio of
     means. Each step counts only while it is in the window: a ratio of exponential averages instead keeps
     an outlier for many windows (one loss spike's |G|², 10⁵ times its neighbours', held a gpt-tiny run's
-    estimate near that step's own 0.19 for 150 steps while the steps after it read 7–30)."""
+    estimate near that step's own 0.19 for 150 steps while the steps after it read 7–30). `per_batch`:
+    a step at another batch than the last entry's empties the window first (module docstring)."""
 
-    def __init__(self, window: float = 1024.0, entries: Iterable[Iterable[float]] = ()) -> None:
+    def __init__(
+        self, window: float = 1024.0, entries: Iterable[Iterable[float]] = (), per_batch: bool = False
+    ) -> None:
         self.window = window
+        self.per_batch = per_batch
         self.entries: deque[tuple[int, float, float]] = deque()  # (gbs, |G|², tr Σ) per step
         for gbs, grad_sq, trace in entries:
             self.add(int(gbs), grad_sq, trace)
 
-    def add(self, gbs: int, grad_sq: float, trace: float) -> None:
+    def add(self, gbs: int, grad_sq: float | None, trace: float | None) -> None:
+        """One step at batch `gbs` and its raw estimates; a step without them (None: held, or not measured
+        under its layout) adds nothing, but under `per_batch` still ends the previous batch's window."""
+        if self.per_batch and self.entries and self.entries[-1][0] != gbs:
+            self.entries.clear()
+        if grad_sq is None or trace is None:
+            return
         self.entries.append((gbs, float(grad_sq), float(trace)))
         while sum(n for n, _, _ in self.entries) - self.entries[0][0] >= self.window:
             self.entries.popleft()

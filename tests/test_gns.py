@@ -74,6 +74,22 @@ def test_window_pools_the_last_samples_and_forgets_a_spike() -> None:
     assert ns.interval(0.99).value == pytest.approx(50.0)
 
 
+def test_one_window_two_reset_rules() -> None:
+    """The workers' LR keeps an earlier batch's steps; the policy's window (per_batch) starts again at a new
+    batch, also on a step without an estimate. Both save the same entries."""
+    kept, per_batch = NoiseWindow(64), NoiseWindow(64, per_batch=True)
+    for window in (kept, per_batch):
+        window.add(8, 1.0, 10.0)
+        window.add(8, 1.0, 12.0)
+        window.add(16, None, None)  # held after the change of batch
+    assert list(kept.entries) == [(8, 1.0, 10.0), (8, 1.0, 12.0)] and not per_batch.entries
+    for window in (kept, per_batch):
+        window.add(16, 1.0, 40.0)
+    assert kept.gns == pytest.approx(62.0 / 3) and per_batch.gns == pytest.approx(40.0)
+    restored = NoiseWindow(64, kept.state_dict()["entries"], per_batch=True)  # a worker's entries, replayed
+    assert list(restored.entries) == [(16, 1.0, 40.0)]
+
+
 def test_estimator_rejects_degenerate_batches() -> None:
     with pytest.raises(ValueError):
         two_batch_estimate(16, 1.0, 16, 1.0)

@@ -110,7 +110,7 @@ class ConaPolicy(Policy):
         self.in_place = self.s.in_place
         self.checkpoint_resizes = True  # its climbs in place are its trajectory: a kill must not undo them
         # Raw two-batch estimates (gbs, |G|², tr Σ) of the running batch size's last `train.gns_window` samples.
-        self.noise = NoiseWindow(cfg.train.gns_window)
+        self.noise = NoiseWindow(cfg.train.gns_window, per_batch=True)
         self._lock = threading.Lock()
         self._results: dict[int, SearchResult] = {}
         self._searched_for: tuple[Strategy, float, int] | None = None  # (strategy, median, steps) searched at
@@ -210,16 +210,8 @@ class ConaPolicy(Policy):
         return self.noise.interval(self.s.confidence)
 
     def _observe_noise(self, row: dict[str, Any]) -> None:
-        """Pool the row's two-batch estimate with those of the same batch size only. The reading depends on
-        the batch that trained the weights: from one state, 20–60 steps at gbs 32 read 63–100 where gbs 8
-        reads 27–40 (docs/switching.md), so estimates from before a change of batch would bias every
-        comparison made after it."""
-        gbs = int(row["gbs"])
-        if self.noise.entries and self.noise.entries[-1][0] != gbs:
-            self.noise.clear()
-        if row.get("grad_sq_raw") is None or row.get("trace_raw") is None:
-            return  # the worker holds its estimator (start, resize) or has none under this layout
-        self.noise.add(gbs, row["grad_sq_raw"], row["trace_raw"])
+        """Pool the row's two-batch estimate with those of the same batch size only (`per_batch`)."""
+        self.noise.add(int(row["gbs"]), row.get("grad_sq_raw"), row.get("trace_raw"))
 
     def on_metric(self, row: dict[str, Any]) -> Stage | None:
         if row.get("launch") != self._launch:
@@ -354,7 +346,7 @@ class ConaPolicy(Policy):
             self._moved(self._first_stage())
             return self.current
         if trainer is not None:
-            self.noise = NoiseWindow(self.cfg.train.gns_window, _trailing(trainer))
+            self.noise = NoiseWindow(self.cfg.train.gns_window, _trailing(trainer), per_batch=True)
         return stage
 
     def _first_stage(self) -> Stage:
@@ -404,7 +396,7 @@ class ConaPolicy(Policy):
         self.switch_costs = list(state["switch_costs"])
         self.warm_switch_costs = list(state.get("warm_switch_costs", []))
         self.resize_costs = list(state.get("resize_costs", []))
-        self.noise = NoiseWindow(self.cfg.train.gns_window, state.get("noise", []))
+        self.noise = NoiseWindow(self.cfg.train.gns_window, state.get("noise", []), per_batch=True)
         self.out_of_memory = {Strategy.parse(s) for s in state.get("out_of_memory", [])}
         self.space = self.space.without(self.out_of_memory, "ran out of memory")
         self._searched_for = None
