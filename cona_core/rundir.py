@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,12 @@ class RunDir:
     def vocab_size(self) -> int:
         """The vocabulary of the prepared corpus."""
         return int(json.loads(self.corpus.read_text())["vocab_size"])
+
+
+def cache_root() -> Path:
+    """Where cona caches what outlives a run folder (prepared corpora, measured step times) by default:
+    $CONA_CACHE, else ~/.cache/cona."""
+    return Path(os.environ.get("CONA_CACHE") or Path.home() / ".cache" / "cona")
 
 
 def handover_seal(token: str, launch: int) -> str:

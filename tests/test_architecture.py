@@ -1,24 +1,28 @@
-"""The layout holds: no import cycles (lazy imports included), no private names imported across
-modules, the worker side takes only the shared modules of the controller side, and the model
-registry and the config agree on the families."""
+"""The layout holds. Three packages, each with one owner:
+
+- `cona_core`: what both sides share (config schema, strategies, run folder and exit codes, clock, model
+  shapes, the noise-scale estimator, Φ and the LR gain). It imports neither `cona_cli` nor `launch`, nor
+  torch or numpy (numpy only for type hints; scipy inside the one function that needs Student's t), so
+  `import cona_core` loads no torch.
+- `launch`: what torchrun runs. It takes from the project only `cona_core`, never `cona_cli`.
+- `cona_cli`: the controller. It imports `launch` only inside functions: where it needs torch or the data
+  pipeline's tokenizers (export, corpus preparation, checkpoint and weight checks), never at import.
+
+Besides: no import cycles (lazy imports included), no private names imported across modules, the model
+registry and the config agree on the families, and a wheel ships every package and the hardware profiles."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.support import REPO
 
-PACKAGES = ("cona_cli", "launch")
-# What torchrun's workers (package `launch`) may import from the controller side.
-SHARED_WITH_WORKERS = {
-    "cona_core.config",
-    "cona_core.strategy",
-    "cona_core.gns",
-    "cona_core.rundir",
-    "cona_core.clock",
-    "cona_core.pretrained",
-}
+PACKAGES = ("cona_core", "cona_cli", "launch")
+CORE_NEVER = ("cona_cli", "launch", "torch", "numpy")  # not even lazily (numpy: under TYPE_CHECKING only)
+CORE_NOT_AT_IMPORT = ("scipy",)  # heavy: only inside the function that needs it
 
 
 def _modules() -> dict[str, Path]:
@@ -129,16 +133,69 @@ def test_no_private_names_imported_across_modules() -> None:
     assert private == []
 
 
-def test_workers_import_only_the_shared_modules_of_the_controller_side() -> None:
-    modules = _modules()
-    taken = {
-        target
-        for name, path in modules.items()
-        if name.startswith("launch")
-        for target, _, _ in _imports(name, path, modules)
-        if target.startswith("cona_cli")
-    }
-    assert taken <= SHARED_WITH_WORKERS, taken - SHARED_WITH_WORKERS
+def _runtime_imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(module, line, inside a function) for every import in a file that runs (TYPE_CHECKING blocks left out);
+    for `from a import b`, the module a."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_lines(tree)
+    found: list[tuple[str, int, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if getattr(child, "lineno", None) in skip:
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((a.name, child.lineno, in_function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                found.append((child.module, child.lineno, in_function))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return found
+
+
+def _taken(package: str, roots: tuple[str, ...], *, at_import_only: bool = False) -> list[str]:
+    """`file:line: module` for each import in `package` of a module under `roots`."""
+    return [
+        f"{path.relative_to(REPO)}:{line}: {module}"
+        for name, path in _modules().items()
+        if name.split(".")[0] == package
+        for module, line, in_function in _runtime_imports(path)
+        if module.split(".")[0] in roots and not (at_import_only and in_function)
+    ]
+
+
+def test_the_import_rule_finder_sees_lazy_and_type_only_imports(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\nimport a.b\nif TYPE_CHECKING:\n    import c\n"
+        "def f():\n    from d import e\nclass K:\n    import g\n"
+    )
+    assert _runtime_imports(source) == [("typing", 1, False), ("a.b", 2, False), ("d", 6, True), ("g", 8, False)]
+
+
+def test_cona_core_imports_neither_side_nor_torch() -> None:
+    assert _taken("cona_core", CORE_NEVER) == []
+    assert _taken("cona_core", CORE_NOT_AT_IMPORT, at_import_only=True) == []
+
+
+def test_launch_imports_nothing_from_cona_cli() -> None:
+    assert _taken("launch", ("cona_cli",)) == []
+
+
+def test_cona_cli_imports_launch_only_inside_functions() -> None:
+    assert _taken("cona_cli", ("launch",), at_import_only=True) == []
+    assert _taken("cona_cli", ("launch",))  # the lazy ones the walk must see (export, corpus preparation, ...)
+
+
+def test_importing_cona_core_loads_no_torch() -> None:
+    code = (
+        "import importlib, pkgutil, sys, cona_core\n"
+        "for m in pkgutil.walk_packages(cona_core.__path__, 'cona_core.'): importlib.import_module(m.name)\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({CORE_NEVER + CORE_NOT_AT_IMPORT!r})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_the_registry_serves_every_family_the_config_accepts() -> None:
@@ -177,5 +234,6 @@ def test_a_built_wheel_carries_the_hardware_profiles(tmp_path: Path) -> None:
     )
     (wheel,) = tmp_path.glob("cona-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if n.endswith("/__init__.py")} == set(PACKAGES)
     shipped = {Path(n).name for n in names if n.startswith("cona_cli/planner/profiles/")}
     assert {p.name for p in (REPO / "cona_cli" / "planner" / "profiles").glob("*.yaml")} <= shipped

@@ -15,7 +15,7 @@ from typing import Any
 from cona_cli.planner.workload import Workload
 from cona_core.clock import TIMING, ClockSpec, checkpoint_seconds, measured_cache, read_cache
 from cona_core.config import Config, ConfigError
-from cona_core.rundir import RunDir
+from cona_core.rundir import RunDir, cache_root
 from cona_core.strategy import Strategy, StrategyError
 
 
@@ -64,8 +64,6 @@ def clock_spec(cfg: Config, files: RunDir, strategies: list[Strategy]) -> ClockS
     if isinstance(table, dict):
         spec.table, spec.by_gbs = _mapping(table)
     elif table == "measured":
-        from launch.data.corpus import cache_root  # torch-free: the data cache's root
-
         key = {name: asdict(getattr(cfg, name)) for name in ("model", "data")}
         key["cluster"] = cfg.cluster.to_raw()
         key["engine"] = {k: getattr(t, k) for k in ("dp_impl", "pp_schedule", "grad_clip", "gns")}

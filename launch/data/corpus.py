@@ -32,6 +32,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cona_core.config import DataConfig
+from cona_core.rundir import cache_root
 from launch.data import sources, tokenize
 from launch.data.sources import DataError
 from launch.data.synthetic import synthetic_corpus
@@ -67,11 +68,6 @@ class CorpusInfo:
     @classmethod
     def from_json(cls, text: str) -> CorpusInfo:
         return cls(**json.loads(text))
-
-
-def cache_root() -> Path:
-    """The default cache root: $CONA_CACHE, else ~/.cache/cona."""
-    return Path(os.environ.get("CONA_CACHE") or Path.home() / ".cache" / "cona")
 
 
 # --------------------------------------------------------------------------- corpus preparation
