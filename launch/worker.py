@@ -256,6 +256,8 @@ class Worker:
     # -- one step ----------------------------------------------------------------------------
 
     def train_step(self, want_eval: bool) -> StepOut:
+        """One training step (`want_eval`: this rank asks for an evaluation after it); resized after it if
+        the controller asked."""
         s, st = self.strategy, self.state
         gns = self.noise.gns
         self._set_lr(learning_rate(self.cfg.train, st.progress_tokens, s.gbs, gns))
@@ -324,8 +326,9 @@ class Worker:
 
     def _sums(self, loss: torch.Tensor | float) -> list[torch.Tensor | float]:
         """The step's sums over ranks: the loss counted here, |g|² and the GNS estimator's two norms."""
-        small = self.small
-        return [loss, local_grad_sq(self.pm), *([small.small_share(), small.big_share()] if small else [0.0, 0.0])]
+        grad_sq = local_grad_sq(self.pm)
+        norms = [0.0, 0.0] if self.small is None else [self.small.small_share(), self.small.big_share()]
+        return [loss, grad_sq, *norms]
 
     def _clip(self, grad_sq: torch.Tensor) -> None:
         """Clip the gradient norm on the device (clip_grad_norm_'s clamped coefficient): no host read."""
