@@ -409,7 +409,7 @@ class SearchConfig:
     """Bayesian search: random points before the model guides it"""
     ei_stop: float = _f(1e-4, _fraction)
     """Bayesian search stops when expected improvement (relative) falls below this"""
-    # online controller (policy: cona; `control.switch_rule`)
+    # online controller (policy: cona; `control.decision`)
     confidence: float = _f(0.99, lambda v: None if 0.5 <= v < 1 else "must be in [0.5, 1)")
     """the confidence level of the Φ ratio's lower bound"""
     switch_cost_s: float = _f(5.0, _non_negative)

@@ -1,4 +1,5 @@
-"""The switch rule: a confident lower bound of the Φ ratio, paid back within the time left."""
+"""The decision rule: the Φ ratio judged at its kind of move's end of the evidence, paid back within the
+time left; the choice among options, and the noise scale's bounds."""
 
 from __future__ import annotations
 
@@ -7,45 +8,69 @@ import random
 
 import pytest
 
-from cona_cli.control.switch_rule import Estimate, decide
+from cona_cli.control.decision import Estimate, Evidence, Move, Option, Running, decide, judge
 from cona_core.efficiency import phi, phi_ratio
 from cona_core.gns import NoiseInterval, pooled_noise_scale
 
 Z95 = 1.6448536269514715
+LADDER = (8, 16, 32, 64)
 
 
 def exact(g: float) -> NoiseInterval:
     return NoiseInterval(g, g, g)
 
 
+def at(gbs: int, t: Estimate) -> Running:
+    return Running(gbs, t, LADDER)
+
+
+def option(gbs: int, t: Estimate, cost: float = 0.0, measured: bool = True) -> Option:
+    return Option(f"gbs{gbs}-{t.value}", gbs, t, cost, measured)
+
+
 def test_exact_measurements_switch_exactly_when_the_ratio_pays_back() -> None:
-    gbs, t, gbs2, t2 = 8, Estimate(0.1), 16, Estimate(0.15)
-    ratio = phi(gbs2, t2.value, 40.0) / phi(gbs, t.value, 40.0)
-    assert 1.0 < ratio < 1.2 and phi_ratio(gbs, 0.1, gbs2, 0.15, 40.0) == pytest.approx(ratio)
+    t, t2 = Estimate(0.1), Estimate(0.15)
+    ratio = phi(16, t2.value, 40.0) / phi(8, t.value, 40.0)
+    assert 1.0 < ratio < 1.2 and phi_ratio(8, 0.1, 16, 0.15, 40.0) == pytest.approx(ratio)
     left = 100.0
     pays = left * (1 - 1 / ratio)  # the switch cost that the gain pays back exactly
-    assert decide(gbs, t, gbs2, t2, exact(40.0), 0.99 * pays, left, Z95).switch
-    stay = decide(gbs, t, gbs2, t2, exact(40.0), 1.01 * pays, left, Z95)
-    assert not stay.switch and stay.ratio == pytest.approx(ratio) and stay.ratio_low == pytest.approx(ratio)
-    assert not decide(gbs, t, gbs2, t2, exact(40.0), 0.0, 0.0, Z95).switch  # no time left
+    assert judge(at(8, t), option(16, t2, 0.99 * pays), Evidence(exact(40.0), left, Z95)).switch
+    stay = judge(at(8, t), option(16, t2, 1.01 * pays), Evidence(exact(40.0), left, Z95))
+    assert not stay.switch and stay.ratio == pytest.approx(ratio) and stay.judged == pytest.approx(ratio)
+    assert not judge(at(8, t), option(16, t2), Evidence(exact(40.0), 0.0, Z95)).switch  # no time left
 
 
-def test_the_bound_takes_the_gns_least_favourable_to_the_candidate() -> None:
+def test_each_kind_of_move_is_judged_at_its_end_of_the_evidence() -> None:
+    """Up: the point estimates; a jump: G's lower bound and the step times less their error; a layout at the
+    same batch: the step times' bound (G cancels); down: samples per second alone, less their error."""
     t, t2, gns = Estimate(0.1, 0.02), Estimate(0.15, 0.03), NoiseInterval(40.0, 20.0, 90.0)
-    up = decide(8, t, 16, t2, gns, 0.0, 100.0, Z95)  # a larger batch: at the GNS's lower bound
+    evidence = Evidence(gns, 100.0, Z95)
     time_error = math.exp(-Z95 * math.hypot(0.02, 0.03))
-    assert up.ratio == pytest.approx(phi_ratio(8, 0.1, 16, 0.15, 40.0))
-    assert up.ratio_low == pytest.approx(phi_ratio(8, 0.1, 16, 0.15, 20.0) * time_error)
-    down = decide(16, t2, 8, t, gns, 0.0, 100.0, Z95)  # a smaller batch: at any GNS, its samples per second
-    assert down.ratio == pytest.approx(phi_ratio(16, 0.15, 8, 0.1, 40.0))
-    assert down.ratio_low == pytest.approx((8 / 0.1) / (16 / 0.15) * time_error)  # the throughput ratio
-    assert down.ratio_low < phi_ratio(16, 0.15, 8, 0.1, 90.0) * time_error  # below even the GNS's upper bound's
+    up = judge(at(8, t), option(16, t2), evidence)
+    assert up.move is Move.UP and up.judged == pytest.approx(up.ratio) == pytest.approx(phi_ratio(8, 0.1, 16, 0.15, 40.0))
+    jump = judge(at(8, t), option(32, t2), evidence)
+    assert jump.move is Move.JUMP and jump.judged == pytest.approx(phi_ratio(8, 0.1, 32, 0.15, 20.0) * time_error)
+    layout = judge(at(8, t), option(8, Estimate(0.09, 0.03)), evidence)
+    assert layout.move is Move.LAYOUT and layout.judged == pytest.approx(0.1 / 0.09 * time_error)
+    down = judge(at(16, t2), option(8, t), evidence)
+    assert down.move is Move.DOWN and down.ratio == pytest.approx(phi_ratio(16, 0.15, 8, 0.1, 40.0))
+    assert down.judged == pytest.approx((8 / 0.1) / (16 / 0.15) * time_error)  # the throughput ratio
+    assert down.judged < phi_ratio(16, 0.15, 8, 0.1, 90.0) * time_error  # below even the GNS's upper bound's
 
 
-def test_kappa_scales_the_gns() -> None:
-    a = decide(8, Estimate(0.1), 16, Estimate(0.15), exact(10.0), 0.0, 100.0, Z95, kappa=4.0)
-    b = decide(8, Estimate(0.1), 16, Estimate(0.15), exact(40.0), 0.0, 100.0, Z95)
-    assert a.ratio == pytest.approx(b.ratio) and a.ratio_low == pytest.approx(b.ratio_low)
+def test_the_choice_is_the_best_score_among_the_options_that_pass() -> None:
+    """A relaunch with the larger Φ ratio that cannot pay back its cost does not hide a resize that
+    passes; among those that pass, the most progress over the time left wins; none, and the verdict is a
+    stay on the best-scoring one."""
+    t, evidence = Estimate(0.1), Evidence(exact(200.0), 100.0, Z95)
+    relaunch, resize = option(16, Estimate(0.12), cost=90.0), option(16, Estimate(0.15))
+    verdict = decide(running=at(8, t), options=[relaunch, resize], evidence=evidence)
+    assert verdict is not None and verdict.switch and verdict.option == resize
+    assert judge(at(8, t), relaunch, evidence).ratio > verdict.ratio
+    slow = option(16, Estimate(0.3))
+    stay = decide(running=at(8, t), options=[slow], evidence=evidence)
+    assert stay is not None and not stay.switch and stay.option == slow
+    assert decide(running=at(8, t), options=[], evidence=evidence) is None
 
 
 def test_fieller_bounds_cover_the_true_noise_scale_and_open_up_when_the_signal_is_weak() -> None:
@@ -64,18 +89,18 @@ def test_fieller_bounds_cover_the_true_noise_scale_and_open_up_when_the_signal_i
     assert pooled_noise_scale([1.0, 1.0], [5.0, 5.0], 0.95) is None
 
 
-def test_a_cheap_move_is_probed_when_the_model_may_be_wrong_and_a_confident_one_is_not_a_probe() -> None:
-    gns = NoiseInterval(20.0, 15.0, 30.0)
-    t8 = Estimate(0.13, 0.01)
+def test_a_never_run_next_rung_is_judged_at_its_hopeful_end_so_a_wrong_model_cannot_hold_a_climb_back() -> None:
+    gns, t8 = NoiseInterval(20.0, 15.0, 30.0), Estimate(0.13, 0.01)
+    evidence = Evidence(gns, 100.0, 1.645)
     # gbs 16 predicted at 0.217 s: Φ ratio (16/0.217)/(8/0.13) * 28/36 = 0.93, short of paying
-    stay = decide(8, t8, 16, Estimate(0.217), gns, 0.0, 100.0, z=1.645)
-    assert not stay.switch and not stay.probe
-    probe = decide(8, t8, 16, Estimate(0.217, 0.3), gns, 0.0, 100.0, z=1.645, probe=True)  # the model ±30 %
-    assert probe.switch and probe.probe and probe.ratio == pytest.approx(stay.ratio)
-    assert probe.why.startswith("probe: Φ ratio 0.932")
-    hopeless = decide(8, t8, 16, Estimate(0.5, 0.3), gns, 0.0, 100.0, z=1.645, probe=True)
-    assert not hopeless.switch  # not even a 1.64x faster step would pay
-    confident = decide(8, t8, 16, Estimate(0.15, 0.01), gns, 0.0, 100.0, z=1.645, probe=True)  # a sure model
-    assert confident.switch and not confident.probe
-    late = decide(8, t8, 16, Estimate(0.217, 0.3), gns, 50.0, 60.0, z=1.645, probe=True)
-    assert not late.switch  # too little time left to pay back even the optimistic case
+    stay = judge(at(8, t8), option(16, Estimate(0.217), measured=False), evidence)
+    assert not stay.switch
+    hopeful = judge(at(8, t8), option(16, Estimate(0.217, 0.3), measured=False), evidence)  # the model ±30 %
+    assert hopeful.switch and hopeful.ratio == pytest.approx(stay.ratio) and hopeful.ratio == pytest.approx(0.932, abs=1e-3)
+    measured = judge(at(8, t8), option(16, Estimate(0.217, 0.3)), evidence)
+    assert not measured.switch  # measured there: no hope beyond its point estimate
+    assert not judge(at(8, t8), option(16, Estimate(0.5, 0.3), measured=False), evidence).switch  # hopeless
+    jump = judge(at(8, t8), option(32, Estimate(0.3, 0.3), measured=False), evidence)
+    assert not jump.switch  # a jump is judged at its bound, however wrong the model may be
+    late = judge(at(8, t8), option(16, Estimate(0.217, 0.3), 50.0, measured=False), Evidence(gns, 60.0, 1.645))
+    assert not late.switch  # too little time left to pay back even the hopeful case

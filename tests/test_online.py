@@ -136,7 +136,7 @@ def test_no_flapping_at_a_true_tie_after_both_rungs_were_measured(seed: int) -> 
     world.gns = _gns_for_ratio(world, S8, S16, 1.0)
     world.run(3000)
     assert [w[2] for w in world.switches] == [S16], world.switches
-    lows = [e["ratio_low"] for e in policy.events.decisions() if e.get("candidate") == S8.to_dict()]
+    lows = [e["ratio_judged"] for e in policy.events.decisions() if e.get("candidate") == S8.to_dict()]
     assert lows and max(lows) < 1.0
 
 
@@ -156,7 +156,9 @@ def test_the_next_rung_up_is_taken_at_its_point_estimate() -> None:
     world.run(60)
     assert [w[2] for w in world.switches] == [S16]
     climb = next(e for e in policy.events.decisions() if e["switch"])
-    assert climb["candidate"] == S16.to_dict() and climb["ratio_low"] < 1.0 < climb["ratio"]
+    error = math.hypot(climb["measured_t_log_std"], climb["predicted_t_log_std"])
+    bound = climb["ratio"] * math.exp(-policy.z * error)  # what a confident move would have been judged at
+    assert climb["candidate"] == S16.to_dict() and bound < 1.0 < climb["ratio"] == climb["ratio_judged"]
     assert climb["step"] <= 2 + policy.s.min_steps + 3 * policy.s.decision_every
 
 
@@ -174,7 +176,7 @@ def test_a_rung_two_up_needs_the_lower_bound() -> None:
     world.run(60)
     assert world.switches == []
     on_32 = [e for e in policy.events.decisions() if e.get("candidate") == s32.to_dict()]
-    assert sum(e["ratio"] > 1.0 for e in on_32) >= 3 and all(e["ratio_low"] < 1.0 for e in on_32)
+    assert sum(e["ratio"] > 1.0 for e in on_32) >= 3 and all(e["ratio_judged"] < 1.0 for e in on_32)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -201,7 +203,7 @@ def test_a_retreat_goes_to_the_best_measured_lower_rung_when_it_wins_with_confid
     world.run(100)
     assert world.switches[-1][2] == S8 and world.reversals() == 1
     chosen = [e for e in policy.events.decisions() if e["switch"]][-1]
-    assert chosen["candidate_kind"] == "lower_gbs" and chosen["ratio_low"] > 1.0
+    assert chosen["candidate_kind"] == "down" and chosen["ratio_judged"] > 1.0
 
 
 @pytest.mark.parametrize("slower,retreats", [(1.6, False), (2.5, True)])
@@ -249,7 +251,7 @@ def test_the_choice_is_among_the_candidates_that_pass() -> None:
     assert stage.strategy == S16
     d = [e for e in policy.events.decisions() if e["switch"]][-1]
     relaunch_ratio = (16 / 0.06) / (8 / t8) * (8 + 200) / (16 + 200)
-    assert d["candidate_kind"] == "higher_gbs" and 1.0 < d["ratio_low"] <= d["ratio"] < relaunch_ratio
+    assert d["candidate_kind"] == "up" and 1.0 < d["ratio_judged"] <= d["ratio"] < relaunch_ratio
 
 
 def test_a_relaunch_must_pay_back_in_the_time_left() -> None:

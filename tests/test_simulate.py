@@ -226,8 +226,8 @@ def test_train_says_at_start_when_chaining_cannot_pay(tmp_path: Path, capsys: py
 def test_cona_probes_a_resizable_rung_the_model_mispredicts_once(
     factor: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A world where the resizable gbs-16 strategy runs `factor` x the model's time: cona probes it once
-    (the confident rule alone would not have tried it); a 0.7x one is kept, a 2.5x one (0.75x gbs 8's samples
+    """A world where the resizable gbs-16 strategy runs `factor` x the model's time: cona tries it once
+    (and each strategy at most once) on its hopeful end (the model's time alone would not have paid); a 0.7x one is kept, a 2.5x one (0.75x gbs 8's samples
     per second; the model has it at 1.88x) left once its own steps are measured."""
     import cona_cli.simulate.world as world
 
@@ -245,8 +245,10 @@ def test_cona_probes_a_resizable_rung_the_model_mispredicts_once(
     sim = Simulation(cfg, WorldSpec(law, hw, noise=0.0, measured=measured, max_time=60.0))  # a minute is enough
     policy = ConaPolicy(cfg, hw)
     curve = sim.run(policy, sim.spec.dynamics.floor() + 0.8, seed=0)
-    probes = [r for r in policy.events.decisions() if r["switch"] and r["why"].startswith("probe")]
-    assert len(probes) == 1 and probes[0]["candidate"]["gbs"] == 16, curve.switches
+    # taken on its hopeful end: at the model's time it would not pay (the confident rule would not try it)
+    probes = [r for r in policy.events.decisions() if r["switch"] and not r["measured"] and r["ratio"] < 1.0]
+    tried = [tuple(sorted(r["candidate"].items())) for r in probes]
+    assert probes and probes[0]["candidate"] == sixteen.to_dict() and len(set(tried)) == len(tried), curve.switches
     first, after = curve.switches[0], curve.switches[1:2]
     assert first[2] == sixteen
     if factor < 1:
@@ -257,10 +259,10 @@ def test_cona_probes_a_resizable_rung_the_model_mispredicts_once(
 
 
 def test_a_replay_finds_the_first_decision_that_differs() -> None:
-    same = {"step": 10, "switch": False, "candidate": {"gbs": 16}, "ratio": 1.02, "ratio_low": 0.9, "time": 3.0}
+    same = {"step": 10, "switch": False, "candidate": {"gbs": 16}, "ratio": 1.02, "ratio_judged": 0.9, "time": 3.0}
     moved = {**same, "step": 15}
     assert Replay([same, moved], [{**same, "time": 9.0}, moved]).first_difference is None  # run time is not compared
-    assert Replay([same, moved], [same, {**moved, "ratio_low": 1.01}]).first_difference == 1
+    assert Replay([same, moved], [same, {**moved, "ratio_judged": 1.01}]).first_difference == 1
     assert Replay([same, moved], [same]).first_difference == 1
 
 

@@ -1,32 +1,23 @@
-"""The online CONA policy: run the strategy with the most progress per second, switching when a
-candidate wins: the next rung up at the point estimate, anything else with confidence.
+"""The online CONA policy: feeds the decision rule (`control.decision`) from the rows the workers stream.
 
-What it maximises: Φ(s) = (gbs/T(s)) / (gbs + κ·G), G the noise scale of Adam-preconditioned
-gradients. Under the default recipe (`launch.lr`, adascale) progress per second is proportional to Φ,
-so no correction factor is fitted: κ = 1 unless `search.kappa` overrides it.
+Every `search.decision_every` steps, once the running strategy has `search.min_steps` timed steps of its
+own (the dwell; a launch's or resize's first `WARMUP_STEPS` are not timed), it gathers:
+- the running strategy's step time: the median, its error by batch means over blocks of `BLOCK` steps;
+- the noise scale G of Adam-preconditioned gradients, pooled over the running batch size's estimates,
+  with Fieller's bounds at `search.confidence` (times `search.kappa`, 1 unless overridden);
+- the options: a better layout at the running rung and the best predicted strategy of every higher rung
+  (and its best one the job can resize into) from the search, and the best measured strategy of every
+  lower rung. A strategy that ran competes at its own measured times (their error plus the host's drift
+  since), one never run at the model's time (calibrated online from every measured step: predicted, not
+  profiled);
+- each option's switch cost (measured resizes, hand-overs and relaunches; the configured estimates
+  before any) and the time the run has left by its stop rules;
+and takes the decision's verdict.
 
-What it tolerates: every `decision_every` steps, once the running strategy has `min_steps` timed steps
-of its own (the dwell), each candidate's Φ ratio to it is bounded from below at `search.confidence` from
-the step times' spread and the standard error of the GNS pooled over the running batch size's steps
-(`switch_rule.decide`), and a candidate is taken only if that bound pays back its switch within the time
-the run has left. For the next rung up the point estimate must pay back instead of the bound: the GNS's
-growth turns a near tie in its favour; a lower rung must win on samples per second alone, at any noise
-scale: the measured GNS under-states Adam's critical batch and misleads early (`switch_rule`). Among those
-that pass, the one with the most progress over that time wins. The candidates: a better layout at the
-running rung and the best predicted strategy of every higher rung (from the search), and the best
-measured strategy of every lower rung (a retreat). A strategy never run competes at the model's step
-time (the paper's rule: predicted, not profiled); once run, at its own measured times, so a prediction
-that was wrong costs one switch and is undone by a confident retreat. One the job can resize into (a
-step to try, a step to leave) competes with the model's error in its bound, and one of the next rung up,
-a rung not yet run, is tried when nothing passes with confidence and it would pay were the model off by
-that error (a probe: `switch_rule`). A time measured in an earlier visit also carries the host's drift
-between blocks of the running strategy's steps. The first decision, at the first GNS estimate, may go to
-any rung.
-
-A background thread recalibrates the iteration-time model from the measured step times and reruns
-the search whenever the measurements moved, and after every switch. A decision uses the search
-started at the previous decision point, joined first (it ran while the workers trained): decisions
-follow from the rows alone, whatever the host's load, so a recorded run replays exactly.
+A background thread recalibrates the iteration-time model from the measured step times and reruns the
+search whenever the measurements moved, and after every switch. A decision uses the search started at
+the previous decision point, joined first: decisions follow from the rows alone, whatever the host's
+load, so a recorded run replays exactly.
 """
 
 from __future__ import annotations
@@ -38,8 +29,8 @@ import threading
 from statistics import NormalDist
 from typing import Any
 
+from cona_cli.control.decision import Estimate, Evidence, Option, Running, Verdict, decide
 from cona_cli.control.policies import Policy, Stage
-from cona_cli.control.switch_rule import Decision, Estimate, decide
 from cona_cli.planner.calibration import Calibrator
 from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.search import Candidate, SearchResult, search_gbs
@@ -251,20 +242,25 @@ class ConaPolicy(Policy):
             left.append((t.max_tokens / self.cfg.model.seq_len - row["consumed_samples"]) / gbs * t_step)
         return max(min(left), 0.0) if left else now
 
-    def candidates(self, results: dict[int, SearchResult]) -> list[tuple[str, Strategy, Estimate, bool]]:
-        """(kind, strategy, step time, whether it may be probed) of everything the running strategy is
-        compared with, `results` the search's per rung."""
+    def options(self, results: dict[int, SearchResult]) -> dict[str, tuple[Strategy, Option]]:
+        """Everything the running strategy is compared with, by name, `results` the search's per rung: a
+        better layout at the running rung and the best predicted strategy of every higher rung (plus its best
+        one the job can resize into), and the best measured strategy of every lower rung. A strategy
+        measured in an earlier visit competes at its own times, with the host's drift since then in their
+        error; one never run, at the model's time: with the model's error if the job can resize into it (one
+        step measures it), else without (the paper's rule: predicted, not profiled)."""
         cur = self.current.strategy
         moved = drift(self._dwell)
+        out: dict[str, tuple[Strategy, Option]] = {}
 
-        def measured(s: Strategy) -> Estimate:  # from an earlier visit: the host may have moved since
+        def add(s: Strategy, t: Estimate, measured: bool = True) -> None:
+            out[str(s)] = (s, Option(str(s), s.gbs, t, self.switch_cost(s), measured))
+
+        def measured(s: Strategy) -> Estimate:
             t = time_estimate(self.samples[s])
             return Estimate(t.value, math.hypot(t.log_std, moved))
 
-        out: list[tuple[str, Strategy, Estimate, bool]] = []
-        ran = {s.gbs for s, v in self.samples.items() if v}  # rungs with a measured strategy
         for gbs, result in sorted(results.items()):
-            # The rung's best predicted strategy, and its best one the running job can resize into.
             picks: list[Candidate] = result.ranked[:1]
             if self.in_place:
                 picks += [c for c in result.ranked if resizable(cur, c.strategy)][:1]
@@ -272,45 +268,35 @@ class ConaPolicy(Policy):
                 s = c.strategy
                 if s == cur or s in self.out_of_memory:
                     continue
-                kind = "same_gbs" if gbs == cur.gbs else "higher_gbs"
                 if s in self.samples:
-                    out.append((kind, s, measured(s), False))
-                elif self.in_place and resizable(cur, s):  # never run, cheap to try: the model's time and error
-                    nxt = gbs == min((g for g in results if g > cur.gbs), default=None) and gbs not in ran
-                    out.append((kind, s, Estimate(c.time_s, c.time_std / c.time_s), nxt))
-                else:  # never run, a relaunch away: the model's time (the paper's rule)
-                    out.append((kind, s, Estimate(c.time_s), False))
+                    add(s, measured(s))
+                elif self.in_place and resizable(cur, s):
+                    add(s, Estimate(c.time_s, c.time_std / c.time_s), measured=False)
+                else:
+                    add(s, Estimate(c.time_s), measured=False)
         for gbs in (g for g in self.ladder if g < cur.gbs):
             below = [(measured(s), s) for s, v in self.samples.items() if s.gbs == gbs and v]
             if below:
                 t, s = min(below, key=lambda m: m[0].value)
-                out.append(("lower_gbs", s, t, False))
+                add(s, t)
         return out
 
     def _decide(self, row: dict[str, Any], gns: NoiseInterval, results: dict[int, SearchResult]) -> Stage | None:
         cur = self.current.strategy
         t_cur = time_estimate(self._dwell)
         left = self.time_left(row, t_cur.value)
-        up = min((g for g in self.ladder if g > cur.gbs), default=None)  # the next rung up
-        decisions: list[tuple[Decision, str, Strategy, Estimate]] = []
-        for kind, s, t, probe in self.candidates(results):
-            cost = self.switch_cost(s)
-            d = decide(cur.gbs, t_cur, s.gbs, t, gns, cost, left, self.z, self.s.kappa, probe, s.gbs == up)
-            decisions.append((d, kind, s, t))
-        if not decisions:
+        options = self.options(results)
+        k = self.s.kappa
+        evidence = Evidence(NoiseInterval(k * gns.value, k * gns.low, k * gns.high), left, self.z)
+        running = Running(cur.gbs, t_cur, tuple(self.ladder))
+        verdict = decide(running=running, options=[o for _, o in options.values()], evidence=evidence)
+        if verdict is None:
             self._log(row, None, None, "no candidate yet (search running)", gns=gns, t_cur=t_cur)
             return None
-        passing = [d for d in decisions if d[0].switch and not d[0].probe]
-        probes = [d for d in decisions if d[0].probe]
-        if passing:  # choose among those that pass; a probe only when none passes
-            d, kind, s, t = max(passing, key=lambda d: d[0].score)
-        elif probes:
-            d, kind, s, t = max(probes, key=lambda d: d[0].ratio)
-        else:
-            d, kind, s, t = max(decisions, key=lambda d: d[0].score)
+        s = options[verdict.option.name][0]
         self.leading = s
-        self._log(row, s, d, d.why, gns=gns, t_cur=t_cur, kind=kind, left=left, t_cand=t)
-        return Stage(s, None, "decision") if d.switch else None
+        self._log(row, s, verdict, verdict.why, gns=gns, t_cur=t_cur, left=left)
+        return Stage(s, None, "decision") if verdict.switch else None
 
     def after_launch(self, outcome: dict[str, Any], requested: Stage | None) -> Stage | None:
         if requested is None:
@@ -405,13 +391,11 @@ class ConaPolicy(Policy):
         self,
         row: dict[str, Any],
         cand: Strategy | None,
-        d: Decision | None,
+        d: Verdict | None,
         why: str,
         gns: NoiseInterval | None = None,
         t_cur: Estimate | None = None,
-        kind: str | None = None,
         left: float | None = None,
-        t_cand: Estimate | None = None,
     ) -> None:
         if self.events is None:
             return
@@ -428,11 +412,11 @@ class ConaPolicy(Policy):
         if t_cur is not None:
             fields.update(measured_t=t_cur.value, measured_t_log_std=round(t_cur.log_std, 4))
         if cand is not None:
-            fields.update(candidate=cand.to_dict(), candidate_kind=kind, measured=cand in self.samples)
-        if t_cand is not None:  # `predicted_t`: the step time the candidate was compared at (cona report)
-            fields.update(predicted_t=t_cand.value, predicted_t_log_std=round(t_cand.log_std, 4))
-        if d is not None:
-            fields.update(ratio=d.ratio, ratio_low=d.ratio_low, payback=d.payback, score=d.score, time_left_s=left)
+            fields.update(candidate=cand.to_dict(), measured=cand in self.samples)
+        if d is not None:  # `predicted_t`: the step time the candidate was compared at (cona report)
+            t = d.option.step_time
+            fields.update(candidate_kind=d.move.value, predicted_t=t.value, predicted_t_log_std=round(t.log_std, 4))
+            fields.update(ratio=d.ratio, ratio_judged=d.judged, payback=d.payback, score=d.score, time_left_s=left)
         self.events.write("decision", **fields)
 
 

@@ -28,7 +28,7 @@ from cona_core.config import config_from_dict
 from cona_core.rundir import RunDir, read_jsonl
 from cona_core.strategy import Strategy
 
-COMPARED = ("step", "switch", "candidate", "ratio", "ratio_low")  # what a decision is compared on
+COMPARED = ("step", "switch", "candidate", "ratio", "ratio_judged")  # what a decision is compared on
 # The policy's (standby_importing, standby_ready) after each standby event.
 STANDBY_FLAGS = {"standby": (True, False), "standby_ready": (False, True), "standby_lost": (False, False)}
 
