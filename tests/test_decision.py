@@ -24,8 +24,8 @@ def at(gbs: int, t: Estimate) -> Running:
     return Running(gbs, t, LADDER)
 
 
-def option(gbs: int, t: Estimate, cost: float = 0.0, measured: bool = True) -> Option:
-    return Option(f"gbs{gbs}-{t.value}", gbs, t, cost, measured)
+def option(gbs: int, t: Estimate, cost: float = 0.0, untried: bool = False) -> Option:
+    return Option(f"gbs{gbs}-{t.value}", gbs, t, cost, untried)
 
 
 def test_exact_measurements_switch_exactly_when_the_ratio_pays_back() -> None:
@@ -89,18 +89,18 @@ def test_fieller_bounds_cover_the_true_noise_scale_and_open_up_when_the_signal_i
     assert pooled_noise_scale([1.0, 1.0], [5.0, 5.0], 0.95) is None
 
 
-def test_a_never_run_next_rung_is_judged_at_its_hopeful_end_so_a_wrong_model_cannot_hold_a_climb_back() -> None:
+def test_an_untried_next_rung_is_judged_at_its_hopeful_end_so_a_wrong_model_cannot_hold_a_climb_back() -> None:
     gns, t8 = NoiseInterval(20.0, 15.0, 30.0), Estimate(0.13, 0.01)
     evidence = Evidence(gns, 100.0, 1.645)
     # gbs 16 predicted at 0.217 s: Φ ratio (16/0.217)/(8/0.13) * 28/36 = 0.93, short of paying
-    stay = judge(at(8, t8), option(16, Estimate(0.217), measured=False), evidence)
+    stay = judge(at(8, t8), option(16, Estimate(0.217), untried=True), evidence)
     assert not stay.switch
-    hopeful = judge(at(8, t8), option(16, Estimate(0.217, 0.3), measured=False), evidence)  # the model ±30 %
+    hopeful = judge(at(8, t8), option(16, Estimate(0.217, 0.3), untried=True), evidence)  # the model ±30 %
     assert hopeful.switch and hopeful.ratio == pytest.approx(stay.ratio) and hopeful.ratio == pytest.approx(0.932, abs=1e-3)
-    measured = judge(at(8, t8), option(16, Estimate(0.217, 0.3)), evidence)
-    assert not measured.switch  # measured there: no hope beyond its point estimate
-    assert not judge(at(8, t8), option(16, Estimate(0.5, 0.3), measured=False), evidence).switch  # hopeless
-    jump = judge(at(8, t8), option(32, Estimate(0.3, 0.3), measured=False), evidence)
+    tried = judge(at(8, t8), option(16, Estimate(0.217, 0.3)), evidence)
+    assert not tried.switch  # its rung has run (the model is calibrated there): no hope beyond the point
+    assert not judge(at(8, t8), option(16, Estimate(0.5, 0.3), untried=True), evidence).switch  # hopeless
+    jump = judge(at(8, t8), option(32, Estimate(0.3, 0.3), untried=True), evidence)
     assert not jump.switch  # a jump is judged at its bound, however wrong the model may be
-    late = judge(at(8, t8), option(16, Estimate(0.217, 0.3), 50.0, measured=False), Evidence(gns, 60.0, 1.645))
+    late = judge(at(8, t8), option(16, Estimate(0.217, 0.3), 50.0, untried=True), Evidence(gns, 60.0, 1.645))
     assert not late.switch  # too little time left to pay back even the hopeful case

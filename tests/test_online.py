@@ -251,7 +251,7 @@ def test_the_choice_is_among_the_candidates_that_pass() -> None:
     assert stage.strategy == S16
     d = [e for e in policy.events.decisions() if e["switch"]][-1]
     relaunch_ratio = (16 / 0.06) / (8 / t8) * (8 + 200) / (16 + 200)
-    assert d["candidate_kind"] == "up" and 1.0 < d["ratio_judged"] <= d["ratio"] < relaunch_ratio
+    assert d["candidate_kind"] == "up" and 1.0 < d["ratio"] <= d["ratio_judged"] and d["ratio"] < relaunch_ratio
 
 
 def test_a_relaunch_must_pay_back_in_the_time_left() -> None:

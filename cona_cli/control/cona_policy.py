@@ -247,14 +247,16 @@ class ConaPolicy(Policy):
         better layout at the running rung and the best predicted strategy of every higher rung (plus its best
         one the job can resize into), and the best measured strategy of every lower rung. A strategy
         measured in an earlier visit competes at its own times, with the host's drift since then in their
-        error; one never run, at the model's time: with the model's error if the job can resize into it (one
-        step measures it), else without (the paper's rule: predicted, not profiled)."""
+        error; one never run, at the model's time: with the model's error if the job can resize into it (a dwell
+        measures it), else without (the paper's rule: predicted, not profiled)."""
         cur = self.current.strategy
         moved = drift(self._dwell)
         out: dict[str, tuple[Strategy, Option]] = {}
 
-        def add(s: Strategy, t: Estimate, measured: bool = True) -> None:
-            out[str(s)] = (s, Option(str(s), s.gbs, t, self.switch_cost(s), measured))
+        ran = {s.gbs for s, v in self.samples.items() if v}
+
+        def add(s: Strategy, t: Estimate) -> None:
+            out[str(s)] = (s, Option(str(s), s.gbs, t, self.switch_cost(s), untried=s.gbs not in ran))
 
         def measured(s: Strategy) -> Estimate:
             t = time_estimate(self.samples[s])
@@ -271,9 +273,9 @@ class ConaPolicy(Policy):
                 if s in self.samples:
                     add(s, measured(s))
                 elif self.in_place and resizable(cur, s):
-                    add(s, Estimate(c.time_s, c.time_std / c.time_s), measured=False)
+                    add(s, Estimate(c.time_s, c.time_std / c.time_s))
                 else:
-                    add(s, Estimate(c.time_s), measured=False)
+                    add(s, Estimate(c.time_s))
         for gbs in (g for g in self.ladder if g < cur.gbs):
             below = [(measured(s), s) for s, v in self.samples.items() if s.gbs == gbs and v]
             if below:

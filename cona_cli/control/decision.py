@@ -9,7 +9,7 @@ at its judged end of the evidence (below) exceeds 1 is taken; none, and the run 
 **What it tolerates.** Each kind of move is judged at the end of its evidence that `JUDGED_AT` names:
 
     move     a candidate ...            noise scale G        step times
-    up       of the next rung up        point estimate       point; never run: its hopeful end
+    up       of the next rung up        point estimate       point; an untried rung: its hopeful end
     jump     two or more rungs up       lower bound          lower bound
     layout   at the running batch       (cancels)            lower bound
     down     of a lower rung            infinite             lower bound
@@ -53,8 +53,8 @@ class Move(enum.Enum):
 @dataclass(frozen=True)
 class Judged:
     """Where a kind of move's Φ ratio is read: G at `noise` ("point", "low" or "infinite") and the step
-    times at `times` ("point", "bound" = less z of their error, "hopeful" = point, or more z of a never-run
-    candidate's error)."""
+    times at `times` ("point", "bound" = less z of their error, "hopeful" = point, or more z of the model's
+    error for an untried rung)."""
 
     noise: str
     times: str
@@ -79,14 +79,15 @@ class Running:
 
 @dataclass(frozen=True)
 class Option:
-    """A strategy the job could move to. `step_time`: measured, or the model's with its error when
-    `measured` is False; `switch_cost_s`: what the move costs (a resize, a hand-over or a relaunch)."""
+    """A strategy the job could move to. `step_time`: measured, else the model's (with its error);
+    `untried`: no strategy of its batch has run yet, so its time is the model's alone; `switch_cost_s`: what
+    the move costs (a resize, a hand-over or a relaunch)."""
 
     name: str
     gbs: int
     step_time: Estimate
     switch_cost_s: float
-    measured: bool = True
+    untried: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def judge(running: Running, option: Option, evidence: Evidence) -> Verdict:
     t, t_opt = running.step_time, option.step_time
     ratio = phi_ratio(running.gbs, t.value, option.gbs, t_opt.value, g.value)
     error = math.hypot(t.log_std, t_opt.log_std)
-    shift = {"point": 0.0, "bound": -error, "hopeful": 0.0 if option.measured else t_opt.log_std}[at.times]
+    shift = {"point": 0.0, "bound": -error, "hopeful": t_opt.log_std if option.untried else 0.0}[at.times]
     judged = phi_ratio(running.gbs, t.value, option.gbs, t_opt.value, noise) * math.exp(evidence.z * shift)
     left = evidence.time_left_s
     payback = max(0.0, 1.0 - option.switch_cost_s / left) if left > 0 else 0.0
