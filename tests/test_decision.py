@@ -47,7 +47,8 @@ def test_each_kind_of_move_is_judged_at_its_end_of_the_evidence() -> None:
     evidence = Evidence(gns, 100.0, Z95)
     time_error = math.exp(-Z95 * math.hypot(0.02, 0.03))
     up = judge(at(8, t), option(16, t2), evidence)
-    assert up.move is Move.UP and up.judged == pytest.approx(up.ratio) == pytest.approx(phi_ratio(8, 0.1, 16, 0.15, 40.0))
+    assert up.move is Move.UP and up.judged == pytest.approx(up.ratio)
+    assert up.ratio == pytest.approx(phi_ratio(8, 0.1, 16, 0.15, 40.0))
     jump = judge(at(8, t), option(32, t2), evidence)
     assert jump.move is Move.JUMP and jump.judged == pytest.approx(phi_ratio(8, 0.1, 32, 0.15, 20.0) * time_error)
     layout = judge(at(8, t), option(8, Estimate(0.09, 0.03)), evidence)
@@ -96,7 +97,7 @@ def test_an_untried_next_rung_is_judged_at_its_hopeful_end_so_a_wrong_model_cann
     stay = judge(at(8, t8), option(16, Estimate(0.217), untried=True), evidence)
     assert not stay.switch
     hopeful = judge(at(8, t8), option(16, Estimate(0.217, 0.3), untried=True), evidence)  # the model ±30 %
-    assert hopeful.switch and hopeful.ratio == pytest.approx(stay.ratio) and hopeful.ratio == pytest.approx(0.932, abs=1e-3)
+    assert hopeful.switch and hopeful.ratio == pytest.approx(stay.ratio) == pytest.approx(0.932, abs=1e-3)
     tried = judge(at(8, t8), option(16, Estimate(0.217, 0.3)), evidence)
     assert not tried.switch  # its rung has run (the model is calibrated there): no hope beyond the point
     assert not judge(at(8, t8), option(16, Estimate(0.5, 0.3), untried=True), evidence).switch  # hopeless

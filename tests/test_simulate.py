@@ -226,9 +226,9 @@ def test_train_says_at_start_when_chaining_cannot_pay(tmp_path: Path, capsys: py
 def test_cona_probes_a_resizable_rung_the_model_mispredicts_once(
     factor: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A world where the resizable gbs-16 strategy runs `factor` x the model's time: cona tries it once
-    on its hopeful end (the model's time alone would not have paid); a 0.7x one is kept, a 2.5x one (0.75x gbs 8's samples
-    per second; the model has it at 1.88x) left once its own steps are measured."""
+    """A world where the resizable gbs-16 strategy runs `factor` x the model's time: cona tries it once on
+    its hopeful end (the model's time alone would not have paid); a 0.7x one is kept, a 2.5x one (0.75x gbs
+    8's samples per second; the model has it at 1.88x) left once its own steps are measured."""
     import cona_cli.simulate.world as world
 
     monkeypatch.setattr(world, "DecisionLog", RecordedEvents)

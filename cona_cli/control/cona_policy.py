@@ -262,7 +262,7 @@ class ConaPolicy(Policy):
             t = time_estimate(self.samples[s])
             return Estimate(t.value, math.hypot(t.log_std, moved))
 
-        for gbs, result in sorted(results.items()):
+        for _, result in sorted(results.items()):
             picks: list[Candidate] = result.ranked[:1]
             if self.in_place:
                 picks += [c for c in result.ranked if resizable(cur, c.strategy)][:1]
