@@ -43,7 +43,7 @@ def _rows(run: Path) -> list[dict]:
 
 def _decisions(run: Path) -> list[tuple]:
     kinds = ("decision", "switch", "target_reached", "exit")
-    keep = ("step", "switch", "ratio", "to", "seconds", "reason", "val_ppl")
+    keep = ("time", "step", "switch", "ratio", "to", "seconds", "reason", "val_ppl")  # time: the virtual clock's
     return [(e["kind"], *(e.get(k) for k in keep)) for e in _lines(run / "events.jsonl") if e["kind"] in kinds]
 
 
@@ -60,14 +60,17 @@ def test_two_runs_agree_step_for_step_whatever_the_hosts_load(tmp_path: Path) ->
     assert _decisions(tmp_path / "idle") == _decisions(tmp_path / "loaded")
     switches = [d for d in _decisions(tmp_path / "idle") if d[0] == "switch"]
     assert switches, "policy cona switched at least once"
-    assert all(d[5] > 0 for d in switches)  # an in-place resize is charged one step
+    assert all(d[6] > 0 for d in switches)  # an in-place resize is charged one step
+    step_time = {r["step"]: r["time"] for r in idle if r["kind"] == "step"}
+    decided = [d for d in _decisions(tmp_path / "idle") if d[0] == "decision"]
+    assert decided and all(d[1] == pytest.approx(step_time[d[2]], abs=1e-3) for d in decided)  # the row's clock
     walls = [r["wall_time"] for r in _lines(tmp_path / "loaded" / "metrics.jsonl") if r["kind"] == "step"]
     assert all(w is not None for w in walls)  # the host's time stays beside the virtual one
     lines = console.splitlines()
     decided = [line for line in lines if line.startswith("cona: decide  step ")]
     switched = [line for line in lines if line.startswith("cona: switch  step ")]
     assert len(switched) == len(switches) and len(decided) >= len(switches)
-    assert f"step {switches[0][1]}:" in switched[0] and "(in place," in switched[0]
+    assert f"step {switches[0][2]}:" in switched[0] and "(in place," in switched[0]
     status = [line for line in lines if line.startswith("cona: step ")]
     assert status and all(" tok/s  MFU " in line and " s left" in line for line in status)
     clock = json.loads((tmp_path / "idle" / "clock.json").read_text())

@@ -82,7 +82,7 @@ class Controller:
         self.clock = self._clock_spec()
         self.sinks = open_sinks(cfg, self.files)  # TensorBoard, W&B
         self.out = RunConsole(self.console, cfg, log_format)
-        self.events = EventLog(self.files.events, self.run_start, self._on_event)
+        self.events = EventLog(self.files.events, self._run_time, self._on_event)
         self.nodes = resolve_nodes(cfg.cluster)
         self.multi_node = is_multi_node(cfg.cluster)
         self.launcher = make_launcher(cfg.cluster)

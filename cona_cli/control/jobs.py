@@ -36,14 +36,16 @@ NO_JOBS_ENV = "CONA_TEST_NO_JOBS"
 
 
 class EventLog:
-    """Append-only events.jsonl; `on_write` also gets every event (TensorBoard)."""
+    """Append-only events.jsonl, each event stamped with the run's time (`run_time`: the host's since the
+    start, or the virtual clock's) and the host's clock; `on_write` also gets every event (TensorBoard)."""
 
-    def __init__(self, path: Path, run_start: float, on_write: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.path, self.run_start, self.on_write = path, run_start, on_write
+    def __init__(
+        self, path: Path, run_time: Callable[[], float], on_write: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
+        self.path, self.run_time, self.on_write = path, run_time, on_write
 
     def write(self, kind: str, **fields: Any) -> dict[str, Any]:
-        now = time.time()
-        event = {"kind": kind, "time": round(now - self.run_start, 4), "wall_clock": round(now, 3), **fields}
+        event = {"kind": kind, "time": round(self.run_time(), 4), "wall_clock": round(time.time(), 3), **fields}
         with open(self.path, "a") as f:
             f.write(json.dumps(event) + "\n")
         if self.on_write is not None:
