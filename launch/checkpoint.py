@@ -17,7 +17,7 @@ is quarantined only for a failure that repeats or a content check that fails.
 A save that cannot write (disk full, quota, permission, read-only storage) raises `SaveError` on
 every rank with one line naming the path and what it needs; its temporary folder is removed and the
 committed checkpoints are left as they are (nothing is pruned), so `--resume` continues from the last
-good one. The worker exits with `STORAGE_EXIT`.
+good one. The worker exits with `cona_core.exits.STORAGE_EXIT`.
 
 Running out of memory while loading says nothing about the checkpoint: it is raised as out of memory
 (every rank together), never as CheckpointError, so the controller marks the strategy infeasible and
@@ -51,7 +51,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from cona_core.exits import STORAGE_EXIT  # noqa: F401 (launch.worker exits with checkpoint.STORAGE_EXIT)
 from cona_core.rundir import MARKER, TRAINER_STATE, committed, read_trainer_state, step_dir
 from launch import testhooks
 from launch.device import is_out_of_memory

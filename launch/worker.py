@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from cona_core.clock import CALIBRATION_STEPS, TIMING, ClockSpec, VirtualClock, WallClock
 from cona_core.config import Config, config_from_json
-from cona_core.exits import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT
+from cona_core.exits import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, REFUSED_EXIT, STORAGE_EXIT
 from cona_core.gns import NoiseWindow, two_batch_estimate
 from cona_core.rundir import RunDir
 from cona_core.strategy import Strategy
@@ -203,7 +203,7 @@ class Worker:
         self.unsharded_vote_step = 1  # FSDP's unsharded accumulation is voted on at this one (`_voting`)
         self.state = TrainerState()
         self.small = NoiseNorms(self.pm, self.opt, self.spec.vocab_params) if t.gns else None
-        self.noise = NoiseWindow(window=t.gns_window)
+        self.noise = NoiseWindow(window=t.gns_window, per_batch=False)  # the LR's reading spans a change of batch
         self.gns_hold = math.ceil(1 / (1 - t.beta2))  # steps for Adam's second moment to describe a new batch
         self.state.gns_from_step = self.gns_hold  # held at the start, and after each change of batch
 
@@ -232,7 +232,7 @@ class Worker:
             self.state.gns_from_step = self.state.step + self.gns_hold
         # A checkpoint from before the window (exponential averages, no "entries") starts an empty one.
         entries = self.state.extra.get("gns", {}).get("entries", [])
-        self.noise = NoiseWindow(window=self.cfg.train.gns_window, entries=entries)
+        self.noise = NoiseWindow(window=self.cfg.train.gns_window, entries=entries, per_batch=False)
 
     def _contents(self) -> dict[str, Any]:
         """What a checkpoint holds besides model and optimizer."""
@@ -612,7 +612,7 @@ def run(
         device = init_distributed(cfg.cluster, gpus_wanted(cfg))
     except DeviceError as e:
         print(f"cona-worker: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(REFUSED_EXIT)
     torch.set_num_threads(threads_per_rank())
     hooks = testhooks.from_env(run_dir, dist.get_rank())
     built = layout if resume is not None else None
@@ -629,7 +629,7 @@ def run(
     except checkpoint.SaveError as e:  # every rank alike; the committed checkpoints are kept
         print(f"cona-worker: checkpoint not saved: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(checkpoint.STORAGE_EXIT)
+        os._exit(STORAGE_EXIT)
     if worker.rank == 0:
         _write_outcome(RunDir(run_dir).launch_outcome(launch), result)
     worker.batches.close()

@@ -22,7 +22,6 @@ load, so a recorded run replays exactly.
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 import threading
@@ -334,7 +333,7 @@ class ConaPolicy(Policy):
             self._moved(self._first_stage())
             return self.current
         if trainer is not None:
-            self.noise = NoiseWindow(self.cfg.train.gns_window, _trailing(trainer), per_batch=True)
+            self.noise = _checkpoint_window(self.cfg.train.gns_window, trainer)
         return stage
 
     def _first_stage(self) -> Stage:
@@ -422,15 +421,12 @@ class ConaPolicy(Policy):
         self.events.write("decision", **fields)
 
 
-def _trailing(trainer: dict[str, Any]) -> list[tuple[int, float, float]]:
-    """The policy's noise window at a checkpoint: the trailing estimates of the checkpoint's batch in the
-    workers' own window (trainer.json `extra.gns`), which holds the same raw estimates the policy pooled."""
-    entries = [
-        (int(g), float(a), float(b))
-        for g, a, b in trainer.get("trainer", {}).get("extra", {}).get("gns", {}).get("entries", [])
-    ]
-    if not entries:
-        return []
-    gbs = Strategy.from_mapping(trainer["strategy"]).gbs if "strategy" in trainer else entries[-1][0]
-    tail = list(itertools.takewhile(lambda e: e[0] == gbs, reversed(entries)))
-    return tail[::-1]
+def _checkpoint_window(window: float, trainer: dict[str, Any]) -> NoiseWindow:
+    """The policy's noise window at a checkpoint, rebuilt per batch from the workers' own window (trainer.json
+    `extra.gns`), which holds the same raw estimates the policy pooled: the checkpoint's batch's trailing ones."""
+    noise = NoiseWindow(
+        window, trainer.get("trainer", {}).get("extra", {}).get("gns", {}).get("entries", []), per_batch=True
+    )
+    if "strategy" in trainer:  # the checkpoint's batch, which may have no estimate of its own yet
+        noise.add(Strategy.from_mapping(trainer["strategy"]).gbs, None, None)
+    return noise
