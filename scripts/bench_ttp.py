@@ -172,28 +172,38 @@ def samples_per_s(run_dir: Path) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def hindsight_chain(run_dirs: list[Path], targets: list[float], levels: int = 400) -> list[float | None]:
+def hindsight_chain(
+    run_dirs: list[Path], targets: list[float], levels: int = 400
+) -> tuple[list[float | None], list[tuple[str, float]]]:
     """The fastest chain of these (static) runs in hindsight, the paper's "optimum sequence": from the
     earliest first evaluation, each slice of log-ppl is crossed at the speed of the run that crossed
     it fastest. Switches cost nothing and progress depends only on the loss reached (not on the LR
     schedule's position or the optimizer state), so it bounds what chaining these strategies could
-    gain, up to the resolution of the evaluations."""
-    curves = [c for c in map(curve, run_dirs) if c]
-    start = min(c[0][0] for c in curves)
-    top = max(c[0][1] for c in curves)
+    gain, up to the resolution of the evaluations. Returns the time to each target and, to the last
+    target reached, the chain: (run, the ppl from which it is the fastest) in order."""
+    named = [(d.name, c) for d, c in ((d, curve(d)) for d in run_dirs) if c]
+    start = min(c[0][0] for _, c in named)
+    top = max(c[0][1] for _, c in named)
     out: list[float | None] = []
+    path: list[tuple[str, float]] = []
     for target in targets:
         grid = [top + (math.log(target) - top) * k / levels for k in range(levels + 1)]
-        elapsed = start
+        elapsed: float | None = start
+        steps: list[tuple[str, float]] = []
         for hi, lo in itertools.pairwise(grid):
-            spans = [(crossing(c, lo), crossing(c, hi)) for c in curves]
-            spans = [b - a for b, a in spans if a is not None and b is not None]
+            spans = [(n, crossing(c, lo), crossing(c, hi)) for n, c in named]
+            spans = [(b - a, n) for n, b, a in spans if a is not None and b is not None]
             if not spans:
                 elapsed = None
                 break
-            elapsed += min(spans)
+            span, name = min(spans)
+            elapsed += span
+            if not steps or steps[-1][0] != name:
+                steps.append((name, math.exp(hi)))
         out.append(elapsed)
-    return out
+        if elapsed is not None:
+            path = steps
+    return out, path
 
 
 def finished(run_dir: Path) -> bool:
@@ -358,12 +368,16 @@ def main() -> None:
             runs = {k: v for k, v in runs.items() if k not in slowest}
     results = {name: per_seed for name, per_seed in results.items() if per_seed}
     chain: dict[int, list[float | None]] = {}
-    for seed in {seed for per_seed in results.values() for seed in per_seed}:
+    paths: dict[int, list[tuple[str, float]]] = {}
+    for seed in sorted({seed for per_seed in results.values() for seed in per_seed}):
         statics = [args.out / f"s{seed}" / n for n, r in results.items() if is_static(n) and seed in r]
         if len(statics) > 1:
-            chain[seed] = hindsight_chain(statics, targets)
+            chain[seed], paths[seed] = hindsight_chain(statics, targets)
     if chain:
         results[HINDSIGHT] = chain
+        print("\nthe hindsight chain per seed (each run from the ppl where it is the fastest):")
+        for seed, path in paths.items():
+            print(f"  s{seed}: " + " → ".join(f"{name} (from {ppl:.4g})" for name, ppl in path))
 
     rates = []
     for name in [n for n in results if n.startswith("static")]:  # with the reruns: their speed drifts too

@@ -166,6 +166,9 @@ def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
     assert "  cona s1: 1 / 1.5" in text, text
     assert "static-auto 320 [320–320]" in text and "static-16 160 [160–160]" in text, text  # samples/s
     assert "| hindsight chain |" in text, text
+    # static-16 is the faster down to ppl 100 (by 10 s), static-auto from there on (ppl 80 by 20 s)
+    chain = re.search(r"s1: static-16 \(from 200\) → static-auto \(from ([0-9.]+)\)\n", text)
+    assert chain is not None and 100 <= float(chain.group(1)) <= 101, text
 
 
 def test_bench_ttp_ramps_to_the_best_static_batch_where_it_is_larger(monkeypatch: pytest.MonkeyPatch) -> None:
