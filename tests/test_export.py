@@ -77,7 +77,8 @@ def test_hf_export_matches_cona(family: str, trained: Callable[[str], Path], tmp
     import transformers
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from launch.models import SPECIAL_TOKENS, get_spec
+    from cona_core.shape import SPECIAL_TOKENS
+    from launch.models import get_spec
 
     run = trained(family)
     evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
