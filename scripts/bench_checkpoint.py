@@ -75,6 +75,7 @@ def ranks_main(run_dir: Path, strategy: str, rounds: int) -> None:
     if dist.get_rank() == 0:
         doc = {"plain": plain, "sync": sync, "blocked": blocked, "during": during, "bytes": nbytes}
         (run_dir / "checkpoint_bench.json").write_text(json.dumps(doc))
+    w.batches.close()  # the prefetch thread, as a worker's run ends
     dist.destroy_process_group()
 
 
