@@ -241,8 +241,8 @@ class ConaPolicy(Policy):
             left.append((t.max_tokens / self.cfg.model.seq_len - row["consumed_samples"]) / gbs * t_step)
         return max(min(left), 0.0) if left else now
 
-    def options(self, results: dict[int, SearchResult]) -> dict[str, tuple[Strategy, Option]]:
-        """Everything the running strategy is compared with, by name, `results` the search's per rung: a
+    def options(self, results: dict[int, SearchResult]) -> list[Option]:
+        """Everything the running strategy is compared with (named by its strategy), `results` the search's per rung: a
         better layout at the running rung and the best predicted strategy of every higher rung (plus its best
         one the job can resize into), and the best measured strategy of every lower rung. A strategy
         measured in an earlier visit competes at its own times, with the host's drift since then in their
@@ -250,12 +250,11 @@ class ConaPolicy(Policy):
         measures it), else without (the paper's rule: predicted, not profiled)."""
         cur = self.current.strategy
         moved = drift(self._dwell)
-        out: dict[str, tuple[Strategy, Option]] = {}
-
         ran = {s.gbs for s, v in self.samples.items() if v}
+        out: list[Option] = []
 
         def add(s: Strategy, t: Estimate) -> None:
-            out[str(s)] = (s, Option(str(s), s.gbs, t, self.switch_cost(s), untried=s.gbs not in ran))
+            out.append(Option(str(s), s.gbs, t, self.switch_cost(s), untried=s.gbs not in ran))
 
         def measured(s: Strategy) -> Estimate:
             t = time_estimate(self.samples[s])
@@ -286,15 +285,14 @@ class ConaPolicy(Policy):
         cur = self.current.strategy
         t_cur = time_estimate(self._dwell)
         left = self.time_left(row, t_cur.value)
-        options = self.options(results)
         k = self.s.kappa
         evidence = Evidence(NoiseInterval(k * gns.value, k * gns.low, k * gns.high), left, self.z)
         running = Running(cur.gbs, t_cur, tuple(self.ladder))
-        verdict = decide(running=running, options=[o for _, o in options.values()], evidence=evidence)
+        verdict = decide(running=running, options=self.options(results), evidence=evidence)
         if verdict is None:
             self._log(row, None, None, "no candidate yet (search running)", gns=gns, t_cur=t_cur)
             return None
-        s = options[verdict.option.name][0]
+        s = Strategy.parse(verdict.option.name)
         self.leading = s
         self._log(row, s, verdict, verdict.why, gns=gns, t_cur=t_cur, left=left)
         return Stage(s, None, "decision") if verdict.switch else None
