@@ -32,7 +32,8 @@ cona-NAME:SECTION.KEY=VALUE` adds a cona run with that override (an A/B of a pol
 with the rest; repeat it for more keys or more runs); `--again NAME`
 runs NAME a second time in each seed as `NAME-again` (same config, interleaved) and prints their per-seed
 ratio: how far two identical runs of one seed land apart on this host, the floor under any per-seed
-comparison; `--tabulate` runs nothing and tabulates the run folders under --out (e.g. for other targets).
+comparison; `--tabulate` runs nothing and tabulates the run folders under --out (e.g. for other targets),
+every `cona-NAME` folder among them (a variant's run) included unless `--only` names the runs.
 `--data DIR` replaces the config's data.path; a config without one (the synthetic corpus) refuses it.
 """
 
@@ -338,6 +339,9 @@ def main() -> None:
     targets = [float(t) for t in args.targets.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     base_seed = args.first_seed if args.first_seed is not None else int(doc["train"].get("seed", 1234))
+    if args.tabulate and not args.only:  # every cona run the folders hold, whatever --cona-set it ran with
+        seeds = [args.out / f"s{base_seed + i}" for i in range(args.seeds)]
+        runs |= {p.name: doc for p in sorted({p for d in seeds for p in d.glob("cona-*")}) if p.name not in runs}
     results: dict[str, dict[int, list[float | None]]] = {name: {} for name in runs}  # run -> seed -> per target
     for i in range(args.seeds):
         seed = base_seed + i

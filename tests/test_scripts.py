@@ -147,6 +147,7 @@ def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
     ttp_run(out / "s1" / "static-16", [(0, 200), (10, 100), (20, 75), (30, 50)], 16)
     ttp_run(out / "s1" / "static-8", [(0, 200), (10, 120), (20, 110), (30, 105)], 8)
     ttp_run(out / "s1" / "static-64", [(0, 200), (10, 50)], 64, finished=False)
+    ttp_run(out / "s1" / "cona-variant", [(0, 200), (10, 150), (20, 100), (30, 50)], 16)  # a --cona-set run
     proc = run_script(
         "bench_ttp.py",
         *("--config", str(cfg), "--out", str(out), "--first-seed", "1", "--targets", "100,50"),
@@ -164,6 +165,8 @@ def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
     assert f"| cona vs static-auto | {up:.3g} [{up:.3g}–{up:.3g}]× | 1.5 [1.5–1.5]× |" in text, text
     assert "| cona vs best static | 1 [1–1]× | 1.5 [1.5–1.5]× |" in text, text  # static-16: 10 s and 30 s
     assert "  cona s1: 1 / 1.5" in text, text
+    assert "| cona-variant | 20 [20–20] (1/1) | 30 [30–30] (1/1) |" in text, text  # found without --cona-set
+    assert "  cona-variant s1: 0.5 / 1" in text, text
     assert "static-auto 320 [320–320]" in text and "static-16 160 [160–160]" in text, text  # samples/s
     assert "| hindsight chain |" in text, text
     # static-16 is the faster down to ppl 100 (by 10 s), static-auto from there on (ppl 80 by 20 s)
