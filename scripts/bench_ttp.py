@@ -341,7 +341,8 @@ def main() -> None:
     base_seed = args.first_seed if args.first_seed is not None else int(doc["train"].get("seed", 1234))
     if args.tabulate and not args.only:  # every cona run the folders hold, whatever --cona-set it ran with
         seeds = [args.out / f"s{base_seed + i}" for i in range(args.seeds)]
-        runs |= {p.name: doc for p in sorted({p for d in seeds for p in d.glob("cona-*")}) if p.name not in runs}
+        found = sorted({p.name for d in seeds for p in d.glob("cona-*")})
+        runs |= {name: doc for name in found if name not in runs}  # tabulating reads the folders, not the doc
     results: dict[str, dict[int, list[float | None]]] = {name: {} for name in runs}  # run -> seed -> per target
     for i in range(args.seeds):
         seed = base_seed + i
