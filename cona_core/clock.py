@@ -16,7 +16,9 @@ The table (`train.clock_table`): `measured` (each strategy's step time on this h
 of a short calibration pass, steps as the run's own with their data, noise-scale norms and collectives,
 run the first time the strategy runs, with its launch's start and one evaluation, and cached per config
 and host, `measured_cache`), a hardware profile (the planner's cost model on that cluster), or a mapping
-{strategy or gbs: seconds}.
+{strategy or gbs: seconds}. A calibration pass run while other work loaded the host (its load average
+beyond the job's own ranks above `BUSY_LOAD` per CPU) is flagged in the cache, and the controller, the
+worker and `scripts/bench_ttp.py` name such entries: their steps may be charged slow in every later run.
 The controller writes the resolved table to the run folder (`RunDir.clock`); the workers read it.
 """
 
@@ -43,6 +45,7 @@ DRIFT_SHARE = 0.36  # of the step factor's log variance: slow drift, the rest in
 DRIFT_PERIODS = (173.0, 811.0)  # steps: the two sinusoids of the drift
 CALIBRATION_STEPS = (3, 12)  # a calibration pass: untimed steps, then timed ones
 TIMING = ("seconds", "spread", "start_s", "eval_s")  # what a calibration measures of a strategy (`record`)
+BUSY_LOAD = 1.0  # a calibration with more load than this per CPU beyond the job's own ranks is flagged busy
 
 
 @dataclass
@@ -60,6 +63,7 @@ class ClockSpec:
     spreads: dict[str, float] = field(default_factory=dict)
     starts: dict[str, float] = field(default_factory=dict)  # measured: a launch's start under the strategy
     evals: dict[str, float] = field(default_factory=dict)  # measured: one evaluation under the strategy
+    busy: dict[str, float] = field(default_factory=dict)  # measured: entries calibrated on a busy host, their load
     cache: str | None = None  # measured: the cache file of this config and host
 
     def seconds(self, strategy: Strategy) -> float | None:
@@ -87,10 +91,17 @@ class ClockSpec:
             os.replace(tmp, path)
 
     def take(self, strategy: Strategy, timing: dict[str, float]) -> None:
-        """Set `strategy`'s measured times (a cache entry, as `record` writes it)."""
+        """Set `strategy`'s measured times (a cache entry, as `record` writes it); an entry whose `load`
+        (`others_load` during its calibration) exceeds `BUSY_LOAD` is kept in `busy`; timings without one
+        (the ranks' shared copy of rank 0's) leave `busy` as it is."""
         name = str(strategy)
         self.table[name], self.spreads[name] = timing["seconds"], timing["spread"]
         self.starts[name], self.evals[name] = timing["start_s"], timing["eval_s"]
+        if "load" in timing:
+            if timing["load"] > BUSY_LOAD:
+                self.busy[name] = timing["load"]
+            else:
+                self.busy.pop(name, None)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -100,6 +111,29 @@ class ClockSpec:
         raw = json.loads(text)
         raw["by_gbs"] = {int(k): float(v) for k, v in raw.get("by_gbs", {}).items()}
         return cls(**raw)
+
+
+def others_load(own_processes: int) -> float:
+    """The host's 1-minute load average beyond `own_processes` (this job's ranks on it), per CPU; 0 where
+    the platform has no load average. A calibration pass times steps on a shared CPU: other work inflates
+    them, and the cache would keep the inflated time for every later run."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+    return max(0.0, load - own_processes) / (os.cpu_count() or 1)
+
+
+def busy_warning(busy: dict[str, float], cache: str | None) -> str | None:
+    """One line on the table entries calibrated on a busy host (None if there are none)."""
+    if not busy:
+        return None
+    names = ", ".join(f"{name} (load {load:.2g} per CPU)" for name, load in sorted(busy.items()))
+    where = f"delete them from {cache}" if cache else "delete them from the cache"
+    return (
+        f"clock: {len(busy)} table entr{'y was' if len(busy) == 1 else 'ies were'} calibrated while other work "
+        f"loaded the host, so their steps may be charged slow: {names}; {where} and rerun on an idle host"
+    )
 
 
 def read_cache(path: Path) -> dict[str, dict[str, float]]:

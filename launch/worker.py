@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from cona_core.clock import CALIBRATION_STEPS, TIMING, ClockSpec, VirtualClock, WallClock
+from cona_core.clock import CALIBRATION_STEPS, TIMING, ClockSpec, VirtualClock, WallClock, busy_warning, others_load
 from cona_core.config import Config, config_from_json
 from cona_core.exits import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, REFUSED_EXIT, STORAGE_EXIT
 from cona_core.gns import NoiseWindow, two_batch_estimate
@@ -398,10 +398,14 @@ class Worker:
         if self.rank == 0:
             if need:
                 timing = [*step_seconds(logs), self.start_wall, eval_s]
-                spec.record(s, dict(zip(TIMING, timing)))
+                load = others_load(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                spec.record(s, {**dict(zip(TIMING, timing)), "load": round(load, 3)})
                 write_clock_spec(self.files, spec)
                 measured = ", ".join(f"{k} {v:.4g}" for k, v in zip(TIMING, timing))
                 print(f"cona-worker: clock: {s} measured {measured}", flush=True)
+                warning = busy_warning({str(s): load} if str(s) in spec.busy else {}, spec.cache)
+                if warning:
+                    print(f"cona-worker: {warning}", flush=True)
             mine = [spec.table[str(s)], spec.spreads[str(s)], spec.start_s(s), spec.evals[str(s)]]
         spec.take(s, dict(zip(TIMING, self._reduce(mine))))
 

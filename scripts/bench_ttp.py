@@ -25,7 +25,9 @@ runs (the paper's optimum sequence, with free switches): the ceiling of what cha
 
 `--clock virtual` runs every condition on the virtual clock (`train.clock`): real training, each step
 charged its time from the table (`--clock-table`: measured on this host by default, or a hardware
-profile's modelled times), so identical runs agree and runs may share the machine with other work.
+profile's modelled times), so identical runs agree and runs may share the machine with other work, except
+while a `measured` table calibrates a strategy it has not timed: an entry calibrated on a busy host is
+named in a warning after the table (delete it from the cache and rerun on an idle host).
 
 `--relaunch` adds `cona-relaunch` with `search.in_place: false` (every switch relaunches); `--cona-set
 cona-NAME:SECTION.KEY=VALUE` adds a cona run with that override (an A/B of a policy setting, interleaved
@@ -60,7 +62,9 @@ from cona_cli.planner.space import gbs_ladder  # noqa: E402
 from cona_cli.report.crossing import crossing  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
 from cona_cli.run_config import load_config  # noqa: E402
+from cona_core.clock import ClockSpec, busy_warning  # noqa: E402
 from cona_core.config import ConfigError, apply_overrides, config_from_dict  # noqa: E402
+from cona_core.rundir import RunDir  # noqa: E402
 
 AGAIN = "-again"  # suffix of the identical reruns made by --again
 RAMP = "ramp"  # Megatron's batch-size ramp (see ramp_variant)
@@ -155,6 +159,20 @@ def run_once(name: str, variant: dict, seed: int, out: Path, max_time: float) ->
         [*CONA, "train", str(cfg_path), "--run-dir", str(run_dir)], check=True, cwd=REPO, stdout=subprocess.DEVNULL
     )
     return run_dir
+
+
+def busy_table_entries(runs: list[Path]) -> tuple[dict[str, float], str | None]:
+    """The virtual-clock table entries `runs` were charged from that were calibrated on a busy host (each
+    run's final table, `clock.json`), and the cache they are in."""
+    busy: dict[str, float] = {}
+    cache = None
+    for run in runs:
+        path = RunDir(run).clock
+        if path.is_file():
+            spec = ClockSpec.from_json(path.read_text())
+            busy |= spec.busy
+            cache = cache or spec.cache
+    return busy, cache
 
 
 def curve(run_dir: Path) -> list[tuple[float, float]]:
@@ -390,6 +408,9 @@ def main() -> None:
         rates.append(f"{name} {spread([r for r in per_seed if r is not None])}")
     print("\nsamples/s (median step of each run; median [range] over seeds): " + ", ".join(rates))
     ran = [args.out / f"s{seed}" / name for name, per_seed in results.items() if name != HINDSIGHT for seed in per_seed]
+    warning = busy_warning(*busy_table_entries(ran))
+    if warning:
+        print(f"\nWARNING: {warning}")
     print(f"\n{args.seeds} seed(s), {budget(ran)}; time to target in s: median [min–max] over seeds")
     print("| run | " + " | ".join(f"ppl ≤ {t:g}" for t in targets) + " |")
     print("|---" * (len(targets) + 1) + "|")

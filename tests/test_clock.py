@@ -16,11 +16,14 @@ from cona_cli.planner.costmodel import as_array, iteration_time
 from cona_cli.planner.hardware import load_hardware
 from cona_cli.planner.workload import Workload
 from cona_core.clock import (
+    BUSY_LOAD,
     CHECKPOINT_BYTES_PER_PARAM,
     FORWARD_SHARE,
     STORAGE_GBS,
     ClockSpec,
     VirtualClock,
+    busy_warning,
+    others_load,
     step_factor,
 )
 from cona_core.config import ConfigError, config_from_dict
@@ -106,6 +109,28 @@ def test_a_measured_table_reads_the_hosts_cache(tmp_path: Path) -> None:
     assert other.cache == spec.cache  # the seed does not change a step's time
     wider = {**TINY, "model": {**TINY["model"], "d_model": 64}, "train": {**TINY["train"], "clock": "virtual"}}
     assert clock_spec(config_from_dict(wider), RunDir(tmp_path), [S8]).cache != spec.cache
+
+
+def test_an_entry_calibrated_on_a_busy_host_is_flagged_until_recalibrated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.getloadavg", lambda: (9.0, 0.0, 0.0))
+    assert others_load(4) == pytest.approx(2.5)  # 9 runnable, 4 of them the job's own ranks, on 2 CPUs
+    monkeypatch.setattr("os.getloadavg", lambda: (3.0, 0.0, 0.0))
+    assert others_load(4) == 0.0
+    timing = {"seconds": 0.25, "spread": 0.04, "start_s": 9.0, "eval_s": 1.5}
+    spec = clock_spec(_cfg(), RunDir(tmp_path), [S8])
+    spec.record(S8, timing | {"load": BUSY_LOAD + 2})
+    spec.take(S8, timing)  # the ranks' shared copy, without a load: still flagged
+    assert spec.busy == {str(S8): BUSY_LOAD + 2}
+    assert ClockSpec.from_json(spec.to_json()).busy == spec.busy
+    again = clock_spec(_cfg(), RunDir(tmp_path), [S8])  # a later run reads the flag from the cache
+    assert again.busy == spec.busy
+    warning = busy_warning(again.busy, again.cache)
+    assert warning is not None and str(S8) in warning and f"delete them from {again.cache}" in warning
+    again.record(S8, timing | {"load": 0.1})  # recalibrated on an idle host
+    assert clock_spec(_cfg(), RunDir(tmp_path), [S8]).busy == {} and busy_warning({}, None) is None
 
 
 @pytest.mark.parametrize(

@@ -148,6 +148,10 @@ def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
     ttp_run(out / "s1" / "static-8", [(0, 200), (10, 120), (20, 110), (30, 105)], 8)
     ttp_run(out / "s1" / "static-64", [(0, 200), (10, 50)], 64, finished=False)
     ttp_run(out / "s1" / "cona-variant", [(0, 200), (10, 150), (20, 100), (30, 50)], 16)  # a --cona-set run
+    table = {"source": "measured", "seed": 1, "noise": None, "relaunch_s": 5.0, "checkpoint_s": 0.1}
+    busy = {"table": {"dp4-tp1-pp1-mbs4-gbs16": 0.3}, "busy": {"dp4-tp1-pp1-mbs4-gbs16": 2.5}, "cache": "/c/t.json"}
+    (out / "s1" / "static-16" / "clock.json").write_text(json.dumps(table | busy))
+    (out / "s1" / "static-auto" / "clock.json").write_text(json.dumps(table | {"table": {"x": 0.2}}))
     proc = run_script(
         "bench_ttp.py",
         *("--config", str(cfg), "--out", str(out), "--first-seed", "1", "--targets", "100,50"),
@@ -169,6 +173,10 @@ def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
     assert "  cona-variant s1: 0.5 / 1" in text, text
     assert "static-auto 320 [320–320]" in text and "static-16 160 [160–160]" in text, text  # samples/s
     assert "| hindsight chain |" in text, text
+    assert (
+        "WARNING: clock: 1 table entry was calibrated while other work loaded the host, so their steps may be "
+        "charged slow: dp4-tp1-pp1-mbs4-gbs16 (load 2.5 per CPU); delete them from /c/t.json" in text
+    ), text
     # static-16 is the faster down to ppl 100 (by 10 s), static-auto from there on (ppl 80 by 20 s)
     chain = re.search(r"s1: static-16 \(from 200\) → static-auto \(from ([0-9.]+)\)\n", text)
     assert chain is not None and 100 <= float(chain.group(1)) <= 101, text

@@ -45,7 +45,7 @@ from cona_cli.control.run_console import RunConsole
 from cona_cli.control.runstate import RunState, stage_from_dict, stage_to_dict, wait_for_group
 from cona_cli.control.standby import StandbyPool
 from cona_cli.control.telemetry_server import TelemetryServer
-from cona_core.clock import ClockSpec
+from cona_core.clock import ClockSpec, busy_warning
 from cona_core.config import Config
 from cona_core.rundir import RunDir, committed
 from cona_core.strategy import Strategy, resizable
@@ -139,6 +139,9 @@ class Controller:
         self.console.print(f"cona: virtual clock, table {spec.source}{where}; the fastest of each global batch:")
         for line in lines:
             self.console.print(f"  {line}", markup=False, highlight=False)
+        warning = busy_warning(spec.busy, spec.cache)
+        if warning:
+            self.console.print(f"[yellow]cona: {warning}[/yellow]")
         return spec
 
     # -- public ------------------------------------------------------------------------------
