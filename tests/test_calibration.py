@@ -75,6 +75,21 @@ def test_measured_strategies_return_their_median_and_uncalibrated_has_prior_std(
     assert std[0] == pytest.approx(np.std([0.3, 0.1, 0.2])) and std[1] == 0
 
 
+def test_a_strategy_off_the_span_of_the_measured_ones_keeps_the_uncalibrated_error():
+    """Measured along one line (dp 4, one micro-batch per rank: mbs = gbs/4), the GP knows nothing of a step
+    that accumulates micro-batches (gbs 64 at mbs 8): its error stays the uncalibrated model's, however
+    sure the GP is, while a strategy between measured ones (on their line) gets the GP's own error."""
+    hw = load_hardware("cpu-local")
+    cal = Calibrator(W, hw, seed=1)
+    line = [Strategy(4, 1, 1, g // 4, g) for g in (8, 16, 24, 32)]
+    _measure(cal, dataclasses.replace(hw, mfu_max=hw.mfu_max / 2), line)
+    cal.fit()
+    on_line, off_line = Strategy(4, 1, 1, 5, 20), Strategy(4, 1, 1, 8, 64)
+    mean, std = cal.predict(as_array([on_line, off_line]))
+    assert std[1] == pytest.approx(mean[1] * UNCALIBRATED_REL_STD)
+    assert std[0] < 0.5 * mean[0] * UNCALIBRATED_REL_STD
+
+
 def test_state_round_trips_through_json():
     prior = load_hardware("cpu-local")
     cal = Calibrator(W, prior, seed=3)

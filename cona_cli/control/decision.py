@@ -17,8 +17,9 @@ at its judged end of the evidence (below) exceeds 1 is taken; none, and the run 
 The noise scale grows as the loss falls, so the errors are not alike. A climb to the next rung taken
 at a near tie is at worst a small loss that the growing noise scale soon turns into a gain; held until
 the evidence is sure, it loses the whole gain meanwhile (the paper's rule: the point estimate). A
-never-run next rung is judged as if the model over-predicted its step by z of its error: a model that
-is wrong about a rung cannot hold a climb back, and one step there measures it. A jump rests on an early,
+never-run next rung is judged as if the model over-predicted its step by z of its error (at least the
+uncalibrated model's where no measured strategy varies along the rung's direction, `planner.calibration`):
+a model that is wrong about a rung cannot hold a climb back, and one step there measures it. A jump rests on an early,
 noisy reading of G, so it needs the lower bound. A retreat goes against the trend and against the
 measured G's known bias under Adam (it under-states the critical batch), so it must win on samples per
 second alone. At a true tie the run thus climbs at most once and never comes back: no flapping.

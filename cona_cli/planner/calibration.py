@@ -2,7 +2,11 @@
 what the analytic form still misses with a Gaussian process over log2 (dp, tp, pp, mbs, gbs).
 
 `Calibrator.predict` returns mean and std seconds per step; strategies that were measured return
-their measured median (std: spread of the samples). The state round-trips through a plain dict.
+their measured median (std: spread of the samples). A strategy off the span of the measured ones (it
+differs from them along a direction of the features in which no two of them differ, as the first step
+that accumulates micro-batches after steps that all ran one) keeps at least the uncalibrated model's
+error: neither the fit nor the GP saw that direction, and the GP's own error there says only how smooth
+it found the others. The state round-trips through a plain dict.
 """
 
 from __future__ import annotations
@@ -55,6 +59,18 @@ def read_recording(path: Path) -> dict[Strategy, list[float]]:
 def features(x: np.ndarray) -> np.ndarray:
     """GP inputs: log2 of (dp, tp, pp, mbs, gbs)."""
     return np.log2(x.astype(np.float64))
+
+
+def off_span(x: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    """For each row of x, whether it differs from the measured rows along a direction of the features in
+    which no two measured rows differ: there the data constrain neither the fit nor the residual model."""
+    f, m = features(x), features(measured)
+    basis = (m[1:] - m[0]).T  # (5, k): the directions the measurements span
+    delta = (f - m[0]).T
+    if basis.size == 0:
+        return np.linalg.norm(delta, axis=0) > 1e-9
+    coef, *_ = np.linalg.lstsq(basis, delta, rcond=None)
+    return np.linalg.norm(delta - basis @ coef, axis=0) > 1e-9
 
 
 class Calibrator:
@@ -122,7 +138,8 @@ class Calibrator:
         else:
             mu, sd = self._gp.predict(features(x), return_std=True)
             mean = mean * np.exp(mu)
-            std = mean * sd
+            unseen = off_span(x, self._measured()[0])
+            std = mean * np.where(unseen, np.maximum(sd, UNCALIBRATED_REL_STD), sd)
         for s, samples in self.measurements.items():
             hit = np.all(x == (s.dp, s.tp, s.pp, s.mbs, s.gbs), axis=1)
             mean = np.where(hit, np.median(samples), mean)
