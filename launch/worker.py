@@ -403,9 +403,8 @@ class Worker:
                 write_clock_spec(self.files, spec)
                 measured = ", ".join(f"{k} {v:.4g}" for k, v in zip(TIMING, timing))
                 print(f"cona-worker: clock: {s} measured {measured}", flush=True)
-                warning = busy_warning({str(s): load} if str(s) in spec.busy else {}, spec.cache)
-                if warning:
-                    print(f"cona-worker: {warning}", flush=True)
+                if str(s) in spec.busy:
+                    print(f"cona-worker: {busy_warning({str(s): spec.busy[str(s)]}, spec.cache)}", flush=True)
             mine = [spec.table[str(s)], spec.spreads[str(s)], spec.start_s(s), spec.evals[str(s)]]
         spec.take(s, dict(zip(TIMING, self._reduce(mine))))
 

@@ -61,14 +61,11 @@ def features(x: np.ndarray) -> np.ndarray:
     return np.log2(x.astype(np.float64))
 
 
-def off_span(x: np.ndarray, measured: np.ndarray) -> np.ndarray:
-    """For each row of x, whether it differs from the measured rows along a direction of the features in
-    which no two measured rows differ: there the data constrain neither the fit nor the residual model."""
-    f, m = features(x), features(measured)
-    basis = (m[1:] - m[0]).T  # (5, k): the directions the measurements span
-    delta = (f - m[0]).T
-    if basis.size == 0:
-        return np.linalg.norm(delta, axis=0) > 1e-9
+def off_span(f: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    """For each row of features f, whether it differs from the rows `seen` (two or more) along a direction
+    in which no two of them differ: there the data constrain neither the fit nor the residual model."""
+    basis = (seen[1:] - seen[0]).T  # (5, k): the directions the seen rows span
+    delta = (f - seen[0]).T
     coef, *_ = np.linalg.lstsq(basis, delta, rcond=None)
     return np.linalg.norm(delta - basis @ coef, axis=0) > 1e-9
 
@@ -136,9 +133,10 @@ class Calibrator:
         if self._gp is None:  # fewer than two measured strategies: no residual model yet
             std = mean * UNCALIBRATED_REL_STD
         else:
-            mu, sd = self._gp.predict(features(x), return_std=True)
+            f = features(x)
+            mu, sd = self._gp.predict(f, return_std=True)
             mean = mean * np.exp(mu)
-            unseen = off_span(x, self._measured()[0])
+            unseen = off_span(f, self._gp.X_train_)  # the features the GP was fitted on
             std = mean * np.where(unseen, np.maximum(sd, UNCALIBRATED_REL_STD), sd)
         for s, samples in self.measurements.items():
             hit = np.all(x == (s.dp, s.tp, s.pp, s.mbs, s.gbs), axis=1)
