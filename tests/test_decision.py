@@ -105,3 +105,18 @@ def test_an_untried_next_rung_is_judged_at_its_hopeful_end_so_a_wrong_model_cann
     assert not jump.switch  # a jump is judged at its bound, however wrong the model may be
     late = judge(at(8, t8), option(16, Estimate(0.217, 0.3), 50.0, untried=True), Evidence(gns, 60.0, 1.645))
     assert not late.switch  # too little time left to pay back even the hopeful case
+
+
+def test_without_a_noise_scale_reading_only_the_moves_that_read_none_are_judged() -> None:
+    """After a change of batch the estimator is held: a retreat to a rung with more samples per second and
+    a faster layout are judged meanwhile, a climb is not."""
+    t64, t32 = Estimate(0.5, 0.01), Estimate(0.15, 0.01)  # 128 samples/s at 64 against 213 at 32
+    evidence = Evidence(None, 100.0, Z95)
+    back = decide(running=at(64, t64), options=[option(32, t32)], evidence=evidence)
+    assert back is not None and back.switch and back.move is Move.DOWN
+    assert back.judged == pytest.approx((32 / 0.15) / (64 / 0.5) * math.exp(-Z95 * math.hypot(0.01, 0.01)))
+    layout = decide(running=at(32, t32), options=[option(32, Estimate(0.1, 0.01))], evidence=evidence)
+    assert layout is not None and layout.switch and layout.move is Move.LAYOUT
+    assert decide(running=at(8, t32), options=[option(16, Estimate(0.01))], evidence=evidence) is None
+    with pytest.raises(ValueError, match="reads the noise scale"):
+        judge(at(8, t32), option(16, Estimate(0.01)), evidence)

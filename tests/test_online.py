@@ -54,6 +54,8 @@ class World:
     consumed: int = 0
     switches: list[tuple[float, Strategy, Strategy]] = field(default_factory=list)
     slower: dict[Strategy, float] = field(default_factory=dict)  # where the truth is slower than the model
+    hold: int = 0  # steps after a change of batch without a two-batch estimate (the workers' hold)
+    held: int = 0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -68,6 +70,7 @@ class World:
             s = self.policy.current.strategy
             iter_s = self.true_time(s) * math.exp(self.rng.gauss(0, self.time_noise))
             self.step, self.time, self.consumed = self.step + 1, self.time + iter_s, self.consumed + s.gbs
+            self.held = max(0, self.held - 1)
             row = {
                 "kind": "step",
                 "step": self.step,
@@ -79,9 +82,13 @@ class World:
                 "grad_sq_raw": 1.0 + 0.3 * self.rng.gauss(0, 1),
                 "trace_raw": self.gns * (1.0 + self.gns_noise * self.rng.gauss(0, 1)),
             }
+            if self.held:
+                row.update(grad_sq_raw=None, trace_raw=None)
             stage = self.policy.on_metric(row)
             if stage is not None:
                 self.switches.append((self.time, s, stage.strategy))
+                if stage.strategy.gbs != s.gbs:
+                    self.held = self.hold
                 if self.policy.in_place and resizable(s, stage.strategy):
                     self.policy.resized(stage, self.true_time(stage.strategy))
                 else:
@@ -220,6 +227,19 @@ def test_a_smaller_batch_must_win_on_samples_per_second(slower: float, retreats:
     world.run(300)
     assert (world.reversals() == 1) is retreats
     assert world.switches[-1][2] == (S8 if retreats else S16)
+
+
+def test_a_slow_rung_is_left_before_its_noise_scale_has_a_reading() -> None:
+    """The climb to gbs 16 finds it 2.5x slower than predicted (0.75x gbs 8's samples per second); while
+    the workers hold the estimator after the change of batch, the retreat, which reads no G, is taken."""
+    policy = _policy()
+    world = World(policy, gns=1000.0, hold=200)
+    world.slower[S16] = 2.5
+    world.run(60)
+    assert [(a, b) for _, a, b in world.switches] == [(S8, S16), (S16, S8)]
+    assert world.held > 0  # back at gbs 8 within the hold
+    chosen = [e for e in policy.events.decisions() if e["switch"]][-1]
+    assert chosen["candidate_kind"] == "down" and "gns" not in chosen and "no G reading yet" in chosen["why"]
 
 
 def test_the_choice_is_among_the_candidates_that_pass() -> None:

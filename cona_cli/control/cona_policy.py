@@ -4,7 +4,8 @@ Every `search.decision_every` steps, once the running strategy has `search.min_s
 own (the dwell; a launch's or resize's first `WARMUP_STEPS` are not timed), it gathers:
 - the running strategy's step time: the median, its error by batch means over blocks of `BLOCK` steps;
 - the noise scale G of Adam-preconditioned gradients, pooled over the running batch size's estimates,
-  with Fieller's bounds at `search.confidence` (times `search.kappa`, 1 unless overridden);
+  with Fieller's bounds at `search.confidence` (times `search.kappa`, 1 unless overridden); until the
+  running batch has one, only the moves that read no G (a layout, a retreat) are judged;
 - the options: a better layout at the running rung and the best predicted strategy of every higher rung
   (and its best one the job can resize into) from the search, and the best measured strategy of every
   lower rung. A strategy that ran competes at its own measured times (their error plus the host's drift
@@ -223,11 +224,7 @@ class ConaPolicy(Policy):
             return None
         results = self._join_search()
         self._maybe_search()
-        gns = self.gns()
-        if gns is None:
-            self._log(row, None, None, "no GNS estimate yet")
-            return None
-        return self._decide(row, gns, results)
+        return self._decide(row, self.gns(), results)
 
     def time_left(self, row: dict[str, Any], t_step: float) -> float:
         """Seconds the run still has by its stop rules, at the running strategy's speed; a run that
@@ -281,16 +278,20 @@ class ConaPolicy(Policy):
                 add(s, t)
         return out
 
-    def _decide(self, row: dict[str, Any], gns: NoiseInterval, results: dict[int, SearchResult]) -> Stage | None:
+    def _decide(
+        self, row: dict[str, Any], gns: NoiseInterval | None, results: dict[int, SearchResult]
+    ) -> Stage | None:
+        """The verdict on the options; without a noise-scale reading (`gns` None), on those that read none."""
         cur = self.current.strategy
         t_cur = time_estimate(self._dwell)
         left = self.time_left(row, t_cur.value)
         k = self.s.kappa
-        evidence = Evidence(NoiseInterval(k * gns.value, k * gns.low, k * gns.high), left, self.z)
+        noise = NoiseInterval(k * gns.value, k * gns.low, k * gns.high) if gns is not None else None
         running = Running(cur.gbs, t_cur, tuple(self.ladder))
-        verdict = decide(running=running, options=self.options(results), evidence=evidence)
+        verdict = decide(running=running, options=self.options(results), evidence=Evidence(noise, left, self.z))
         if verdict is None:
-            self._log(row, None, None, "no candidate yet (search running)", gns=gns, t_cur=t_cur)
+            why = "no GNS estimate yet" if gns is None else "no candidate yet (search running)"
+            self._log(row, None, None, why, gns=gns, t_cur=t_cur)
             return None
         s = Strategy.parse(verdict.option.name)
         self.leading = s

@@ -11,7 +11,7 @@ at its judged end of the evidence (below) exceeds 1 is taken; none, and the run 
     move     a candidate ...            noise scale G        step times
     up       of the next rung up        point estimate       point; an untried rung: its hopeful end
     jump     two or more rungs up       lower bound          lower bound
-    layout   at the running batch       (cancels)            lower bound
+    layout   at the running batch       cancels              lower bound
     down     of a lower rung            infinite             lower bound
 
 The noise scale grows as the loss falls, so the errors are not alike. A climb to the next rung taken
@@ -23,6 +23,10 @@ a model that is wrong about a rung cannot hold a climb back, and one step there 
 noisy reading of G, so it needs the lower bound. A retreat goes against the trend and against the
 measured G's known bias under Adam (it under-states the critical batch), so it must win on samples per
 second alone. At a true tie the run thus climbs at most once and never comes back: no flapping.
+
+A layout move and a retreat do not read G, so they are judged before the running batch has a noise-scale
+reading of its own (after a change of batch the estimator is held while Adam's moments adapt): a rung
+that runs slower than the one below it is left without waiting for it.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ class Move(enum.Enum):
 
 @dataclass(frozen=True)
 class Judged:
-    """Where a kind of move's Φ ratio is read: G at `noise` ("point", "low" or "infinite") and the step
+    """Where a kind of move's Φ ratio is read: G at `noise` ("point", "low", "infinite", or "cancels": the
+    batches are equal, so any G gives the same ratio) and the step
     times at `times` ("point", "bound" = less z of their error, "hopeful" = point, or more z of the model's
     error for an untried rung)."""
 
@@ -64,7 +69,7 @@ class Judged:
 JUDGED_AT = {
     Move.UP: Judged(noise="point", times="hopeful"),
     Move.JUMP: Judged(noise="low", times="bound"),
-    Move.LAYOUT: Judged(noise="point", times="bound"),
+    Move.LAYOUT: Judged(noise="cancels", times="bound"),
     Move.DOWN: Judged(noise="infinite", times="bound"),
 }
 
@@ -93,9 +98,10 @@ class Option:
 
 @dataclass(frozen=True)
 class Evidence:
-    """The noise scale with its bounds at the confidence level of `z` (one-sided), and the time left."""
+    """The noise scale with its bounds at the confidence level of `z` (one-sided; None before the running
+    batch has a reading), and the time left."""
 
-    noise: NoiseInterval
+    noise: NoiseInterval | None
     time_left_s: float
     z: float
 
@@ -125,23 +131,32 @@ def move_of(running: Running, gbs: int) -> Move:
     return Move.UP if above and gbs == min(above) else Move.JUMP
 
 
+def needs_noise(move: Move) -> bool:
+    return JUDGED_AT[move].noise not in ("cancels", "infinite")
+
+
 def judge(running: Running, option: Option, evidence: Evidence) -> Verdict:
-    """One option against staying."""
+    """One option against staying (a move that reads G needs `evidence.noise`)."""
     move = move_of(running, option.gbs)
     at = JUDGED_AT[move]
     g = evidence.noise
-    noise = {"point": g.value, "low": g.low, "infinite": math.inf}[at.noise]
+    if g is None and needs_noise(move):
+        raise ValueError(f"judge: a move {move.value} reads the noise scale, and there is no reading")
+    noise = {"point": g.value, "low": g.low} if g is not None else {}
+    judged_g = noise.get(at.noise, math.inf)  # "cancels" and "infinite" read no G
+    point_g = g.value if g is not None else judged_g
     t, t_opt = running.step_time, option.step_time
-    ratio = phi_ratio(running.gbs, t.value, option.gbs, t_opt.value, g.value)
+    ratio = phi_ratio(running.gbs, t.value, option.gbs, t_opt.value, point_g)
     error = math.hypot(t.log_std, t_opt.log_std)
     shift = {"point": 0.0, "bound": -error, "hopeful": t_opt.log_std if option.untried else 0.0}[at.times]
-    judged = phi_ratio(running.gbs, t.value, option.gbs, t_opt.value, noise) * math.exp(evidence.z * shift)
+    judged = phi_ratio(running.gbs, t.value, option.gbs, t_opt.value, judged_g) * math.exp(evidence.z * shift)
     left = evidence.time_left_s
     payback = max(0.0, 1.0 - option.switch_cost_s / left) if left > 0 else 0.0
     switch = judged * payback > 1.0
+    reading = f"G {g.value:.4g} in [{g.low:.4g}, {g.high:.4g}]" if g is not None else "no G reading yet"
     why = (
         f"{'switch' if switch else 'stay'} ({move.value}): Φ ratio {ratio:.3f}, {judged:.3f} at G {at.noise} "
-        f"and step times {at.times} (G {g.value:.4g} in [{g.low:.4g}, {g.high:.4g}], times ±{error:.3f} in log), "
+        f"and step times {at.times} ({reading}, times ±{error:.3f} in log), "
         f"× {payback:.3f} for the {option.switch_cost_s:.2f} s switch in the {left:.0f} s left"
     )
     return Verdict(option, move, ratio, judged, payback, switch, why)
@@ -149,7 +164,9 @@ def judge(running: Running, option: Option, evidence: Evidence) -> Verdict:
 
 def decide(*, running: Running, options: Sequence[Option], evidence: Evidence) -> Verdict | None:
     """The verdict on the best option: the best-scoring one that passes, else the best-scoring one (a stay);
-    None without options."""
+    None without options. Without a noise-scale reading only the moves that read none are judged."""
+    if evidence.noise is None:
+        options = [o for o in options if not needs_noise(move_of(running, o.gbs))]
     verdicts = [judge(running, o, evidence) for o in options]
     passing = [v for v in verdicts if v.switch]
     return max(passing or verdicts, key=lambda v: v.score, default=None)
