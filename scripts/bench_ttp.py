@@ -370,7 +370,8 @@ def main() -> None:
                     results[name][seed] = times(args.out / f"s{seed}" / name, targets)
             continue
         names = [n for n in runs if n != RAMP]
-        names = names[i % len(names) :] + names[: i % len(names)]  # rotate: drift spreads over conditions
+        turn = i % len(names) if names else 0
+        names = names[turn:] + names[:turn]  # rotate: drift spreads over conditions
         for name in names + [RAMP] * (RAMP in runs):
             done = args.out / f"s{seed}" / name
             variant = runs[name]

@@ -220,6 +220,13 @@ def test_bench_ttp_only_refuses_a_name_that_is_not_a_run(monkeypatch: pytest.Mon
         bench.only(runs, "cona,static-128sqrt")
 
 
+def test_bench_ttp_refuses_a_ramp_without_its_statics(tmp_path: Path) -> None:
+    """The ramp's length comes from the seed's static runs: `--only ramp` alone says so and runs nothing."""
+    out = run_script("bench_ttp.py", "--config", "configs/tiny.yaml", "--only", "ramp", "--out", str(tmp_path))
+    assert out.returncode != 0 and "ramp: needs the static runs of its seed" in out.stderr
+    assert not list(tmp_path.glob("s*/ramp"))
+
+
 def test_bench_ttp_runs_every_config_for_its_whole_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """tiny.yaml stops at max_steps 600 or target_ppl 20: a benchmark run drops both and keeps max_time."""
     bench = import_script(script("bench_ttp.py"), monkeypatch)
@@ -490,3 +497,28 @@ def test_bench_simulate_prints_the_run_and_table_times() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(r"one run of policy cona: 300 steps, \d+ switches in [\d.]+ s", proc.stdout), proc.stdout
     assert number(r"the whole table \(gpt3-1.3b-a6000.yaml, 1 seeds\): ([\d.]+) s", proc.stdout) > 0
+
+
+def test_next_rung_error_predicts_a_table_the_model_itself_wrote(tmp_path: Path) -> None:
+    """A table of the uncalibrated model's own times: the rung above one measured rung carries the
+    uncalibrated error; calibrated on the rungs below, every prediction is within 5 % of the table."""
+    from cona_cli.planner.calibration import UNCALIBRATED_REL_STD, Calibrator
+    from cona_cli.planner.costmodel import as_array
+    from cona_cli.planner.hardware import load_hardware
+    from cona_cli.planner.workload import Workload
+    from cona_cli.run_config import load_config
+    from cona_core.strategy import Strategy
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    model = Calibrator(Workload.from_config(cfg), load_hardware(cfg.search.hardware))
+    rungs = [Strategy(4, 1, 1, min(g // 4, 8), g) for g in (8, 16, 32, 64)]
+    table = {str(s): {"seconds": float(model.predict(as_array([s]))[0][0])} for s in rungs}
+    (tmp_path / "table.json").write_text(json.dumps(table))
+    out = run_script("next_rung_error.py", "--config", "configs/tiny.yaml", "--table", str(tmp_path / "table.json"))
+    assert out.returncode == 0, out.stderr
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if re.match(r"\| \d", line)]
+    assert [int(r[0]) for r in rows] == [16, 32, 64]
+    assert rows[0][2].strip() == f"±{UNCALIBRATED_REL_STD:.0%}"
+    assert all(abs(float(r[4]) - 1.0) <= 0.05 for r in rows), out.stdout
+    bad = run_script("next_rung_error.py", "--config", "configs/tiny.yaml", "--table", str(tmp_path / "none.json"))
+    assert bad.returncode != 0 and "none.json" in bad.stderr
