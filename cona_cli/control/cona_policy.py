@@ -278,9 +278,7 @@ class ConaPolicy(Policy):
                 add(s, t)
         return out
 
-    def _decide(
-        self, row: dict[str, Any], gns: NoiseInterval | None, results: dict[int, SearchResult]
-    ) -> Stage | None:
+    def _decide(self, row: dict[str, Any], gns: NoiseInterval | None, results: dict[int, SearchResult]) -> Stage | None:
         """The verdict on the options; without a noise-scale reading (`gns` None), on those that read none."""
         cur = self.current.strategy
         t_cur = time_estimate(self._dwell)
