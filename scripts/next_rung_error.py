@@ -14,7 +14,6 @@ uncalibrated model's where the measured strategies say nothing), the table's tim
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -29,6 +28,7 @@ from cona_cli.planner.hardware import load_hardware  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
 from cona_cli.planner.workload import Workload  # noqa: E402
 from cona_cli.run_config import load_config  # noqa: E402
+from cona_core.clock import read_cache  # noqa: E402
 from cona_core.strategy import Strategy  # noqa: E402
 
 
@@ -72,13 +72,9 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=0.03, help="lognormal spread of one step's time")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    try:
-        table = json.loads(args.table.read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"--table {args.table}: {e}") from None
-    rows = next_rung_rows(load_config(args.config), table, args.samples, args.noise, args.seed)
+    rows = next_rung_rows(load_config(args.config), read_cache(args.table), args.samples, args.noise, args.seed)
     if not rows:
-        raise SystemExit(f"--table {args.table}: times fewer than two rungs of the config's ladder")
+        raise SystemExit(f"--table {args.table}: no readable table that times two rungs of the config's ladder")
     print("| rung | predicted s/step | stated error | table s/step | predicted / table |")
     print("|---|---|---|---|---|")
     for gbs, predicted, error, true in rows:

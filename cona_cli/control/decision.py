@@ -140,10 +140,12 @@ def judge(running: Running, option: Option, evidence: Evidence) -> Verdict:
     move = move_of(running, option.gbs)
     at = JUDGED_AT[move]
     g = evidence.noise
-    if g is None and needs_noise(move):
+    if not needs_noise(move):
+        judged_g = math.inf  # "cancels" and "infinite": any G gives this ratio, the throughput ratio
+    elif g is None:
         raise ValueError(f"judge: a move {move.value} reads the noise scale, and there is no reading")
-    noise = {"point": g.value, "low": g.low} if g is not None else {}
-    judged_g = noise.get(at.noise, math.inf)  # "cancels" and "infinite" read no G
+    else:
+        judged_g = g.value if at.noise == "point" else g.low
     point_g = g.value if g is not None else judged_g
     t, t_opt = running.step_time, option.step_time
     ratio = phi_ratio(running.gbs, t.value, option.gbs, t_opt.value, point_g)
