@@ -116,3 +116,26 @@ def test_bench_costmodel_predicts_the_recorded_held_out_layouts_of_this_machine(
     assert out.returncode == 0, out.stderr[-2000:]
     found = re.search(r"MAPE on 31 held-out layouts: ([\d.]+)%", out.stdout)
     assert found and float(found.group(1)) <= 10.0, out.stdout[-1500:]
+
+
+def test_the_error_beyond_the_measured_global_batches_is_the_fitted_parameters_own():
+    """Two measured global batches fit the model's ten parameters exactly, so the GP sees no residual; the
+    error stated about the next batches is what the parameters the two leave free make of them: wider the
+    further out, wide enough to cover a host unlike the profile, and narrower once more batches ran."""
+    hw = load_hardware("cpu-local")
+    truth = dataclasses.replace(hw, eff_half_gflop=hw.eff_half_gflop * 4)
+    between, next_rung, far = Strategy(4, 1, 1, 3, 12), Strategy(4, 1, 1, 8, 32), Strategy(4, 1, 1, 32, 128)
+    x = as_array([between, next_rung, far])
+
+    def stated(gbs: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        cal = Calibrator(W, hw, seed=1)
+        _measure(cal, truth, [Strategy(4, 1, 1, g // 4, g) for g in gbs])
+        cal.fit()
+        mean, std = cal.predict(x)
+        return std / mean, np.abs(np.log(mean / iteration_time(x, W, truth)))
+
+    rel, off = stated((8, 16))
+    assert rel[0] < rel[1] < rel[2]
+    assert rel[1] > 0.05 and (off <= rel).all()
+    rel_more, _ = stated((8, 16, 32, 64))
+    assert rel_more[2] < rel[2] / 2

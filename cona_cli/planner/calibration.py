@@ -2,11 +2,15 @@
 what the analytic form still misses with a Gaussian process over log2 (dp, tp, pp, mbs, gbs).
 
 `Calibrator.predict` returns mean and std seconds per step; strategies that were measured return
-their measured median (std: spread of the samples). A strategy off the span of the measured ones (it
-differs from them along a direction of the features in which no two of them differ, as the first step
-that accumulates micro-batches after steps that all ran one) keeps at least the uncalibrated model's
-error: neither the fit nor the GP saw that direction, and the GP's own error there says only how smooth
-it found the others. The state round-trips through a plain dict.
+their measured median (std: spread of the samples). The error of a prediction has two parts: the GP's,
+and the fitted parameters' own (their Gauss-Newton posterior, carried to log T by the delta method).
+The second is what an extrapolation is uncertain about: two measured strategies fit ten parameters
+exactly, so the GP sees no residual and alone would state an error near zero at the next global batch,
+while the parameters the two measurements leave free move the prediction there. A strategy off the
+span of the measured ones (it differs from them along a direction of the features in which no two of
+them differ, as the first step that accumulates micro-batches after steps that all ran one) keeps at
+least the uncalibrated model's error: neither the fit nor the GP saw that direction. The state
+round-trips through a plain dict.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ FREE_PARAMS = (
 )
 _UPPER = {"mfu_max": 1.0, "overlap": 1.0}  # fractions; every other parameter may move 100x either way
 _FLOOR = 1e-6  # parameters are fitted in log space, so never exactly 0
+_STEP = 1e-4  # log-space step of the forward differences of log T
 MEASUREMENT_NOISE = 0.05  # relative noise of one median step time
 PRIOR_LOG_STD = 1.5  # how far (in log units) data may pull a parameter from the profile's value
 UNCALIBRATED_REL_STD = 0.3  # relative std of the analytic model before any measurement
@@ -83,6 +88,7 @@ class Calibrator:
         self.free = free
         self.measurements: dict[Strategy, list[float]] = {}
         self._gp: GaussianProcessRegressor | None = None
+        self._cov: np.ndarray | None = None  # posterior covariance of the fitted log parameters
 
     def add(self, strategy: Strategy, seconds: float) -> None:
         """Record one measured step time (call `fit` afterwards)."""
@@ -108,16 +114,33 @@ class Calibrator:
 
         fit = least_squares(residuals, z0, bounds=(lower, upper), x_scale=1.0)
         self.fitted = self._with(fit.x)
-        self._fit_residual()
+        self._fit_errors()
 
     def _with(self, z: np.ndarray) -> HardwareProfile:
         return dataclasses.replace(self.prior, **{p: float(np.exp(v)) for p, v in zip(self.free, z)})
 
-    def _fit_residual(self) -> None:
+    def _log_z(self) -> np.ndarray:
+        return np.log([max(getattr(self.fitted, p), _FLOOR) for p in self.free])
+
+    def _log_time_gradient(self, x: np.ndarray) -> np.ndarray:
+        """d log T(x) / d log parameter at the fitted parameters, (n, free)."""
+        z = self._log_z()
+        base = np.log(iteration_time(x, self.workload, self.fitted))
+        steps = np.eye(len(z)) * _STEP
+        return (
+            np.stack([np.log(iteration_time(x, self.workload, self._with(z + h))) - base for h in steps], axis=1)
+            / _STEP
+        )
+
+    def _fit_errors(self) -> None:
+        """The parameters' posterior covariance (the fit's measurement rows and prior, linearised at the fit),
+        then the GP on what the fitted model still misses."""
+        x, y = self._measured()
+        g = self._log_time_gradient(x) / MEASUREMENT_NOISE
+        self._cov = np.linalg.inv(g.T @ g + np.eye(len(self.free)) / PRIOR_LOG_STD**2)
         self._gp = None
         if len(self.measurements) < 2:
             return
-        x, y = self._measured()
         r = np.log(y) - np.log(iteration_time(x, self.workload, self.fitted))
         kernel = ConstantKernel(MEASUREMENT_NOISE**2 * 4, (1e-4, 1.0)) * Matern(
             length_scale=np.full(5, 2.0), length_scale_bounds=(0.5, 20.0), nu=2.5
@@ -136,6 +159,8 @@ class Calibrator:
             f = features(x)
             mu, sd = self._gp.predict(f, return_std=True)
             mean = mean * np.exp(mu)
+            g = self._log_time_gradient(x)
+            sd = np.sqrt(sd**2 + np.einsum("ni,ij,nj->n", g, self._cov, g))
             unseen = off_span(f, self._gp.X_train_)  # the features the GP was fitted on
             std = mean * np.where(unseen, np.maximum(sd, UNCALIBRATED_REL_STD), sd)
         for s, samples in self.measurements.items():
@@ -163,5 +188,5 @@ class Calibrator:
             for seconds in row["seconds"]:
                 cal.add(Strategy.parse(row["strategy"]), seconds)
         cal.fitted = dataclasses.replace(profile, **data["params"])
-        cal._fit_residual()
+        cal._fit_errors()
         return cal
