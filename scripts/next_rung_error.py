@@ -4,8 +4,9 @@ A climbing run has measured its rungs so far and knows the next one from the mod
 rule's hopeful end reads the model's error there. For each rung of the config's ladder above the first,
 the model is calibrated on the rungs below it (the fastest strategy of each in a measured table, its
 time with `--noise` lognormal spread over `--samples` steps, as a dwell measures it) and predicts the
-fastest table strategy of the rung. Prints the prediction, the error the model states (the GP's, or the
-uncalibrated model's where the measured strategies say nothing), the table's time and their ratio.
+fastest table strategy of the rung. Prints the prediction, the error the model states (its fitted parameters' and
+the GP's, or the uncalibrated model's where the measured strategies say nothing), the table's time and
+their ratio.
 
     python scripts/next_rung_error.py --config configs/wikitext2-gpt-tiny.yaml \
         --table ~/.cache/cona/clock/HOST-DIGEST.json    # a virtual clock's measured table
