@@ -474,3 +474,24 @@ def test_a_restart_from_a_checkpoint_keeps_what_the_policy_knew_at_its_step() ->
     assert list(policy.noise.entries) == [(16, 2.0, 7.0), (16, 3.0, 9.0)]
     steps = [step for kept in policy.sample_steps.values() for step in kept]
     assert steps and max(steps) == 30 and len(steps) == sum(len(v) for v in policy.samples.values())
+
+
+def test_a_host_the_hardware_profile_cannot_describe_is_named_once_at_the_first_decision() -> None:
+    """Steps 200× faster than the profile describes (more than its overheads and efficiencies can absorb,
+    as a GPU's times under a CPU profile): the fit cannot reach them, every strategy not yet run is
+    predicted from the wrong machine, and the run says so once, naming the profile; steps 20× slower,
+    which the fit absorbs, say nothing."""
+    from cona_cli.control.run_console import event_line
+
+    policy = _policy()
+    fast = World(policy, gns=50.0, slower={S8: 1 / 200})
+    fast.run(40)
+    warned = [e for e in policy.events.rows if e["kind"] == "profile_mismatch"]
+    assert len(warned) == 1
+    assert warned[0]["step"] == policy.events.decisions()[0]["step"]
+    assert warned[0]["hardware"] == "cpu-local" and warned[0]["ratio"] < 0.5
+    assert "search.hardware 'cpu-local'" in (event_line(warned[0]) or "")
+
+    described = _policy()
+    World(described, gns=50.0, slower={S8: 20.0}).run(40)
+    assert not [e for e in described.events.rows if e["kind"] == "profile_mismatch"]

@@ -13,7 +13,8 @@ own (the dwell; a launch's or resize's first `WARMUP_STEPS` are not timed), it g
   profiled);
 - each option's switch cost (measured resizes, hand-overs and relaunches; the configured estimates
   before any) and the time the run has left by its stop rules;
-and takes the decision's verdict.
+and takes the decision's verdict. At the first decision it also checks that the hardware profile, fitted to
+the measured steps, describes them (a `profile_mismatch` event otherwise: the planner models another machine).
 
 A background thread recalibrates the iteration-time model from the measured step times and reruns the
 search whenever the measurements moved, and after every switch. A decision uses the search started at
@@ -44,6 +45,7 @@ WARMUP_STEPS = 2  # first steps of a launch (pipeline shape inference, allocator
 REMEASURE = 0.1  # rerun the search when the running strategy's median moved by this fraction
 SAMPLE_WINDOW = 100  # step times kept per strategy (the controller saves its state every few steps)
 BLOCK = 10  # steps per block of the batch-means error of a step time
+MISFIT = 2.0  # measured / fitted step time beyond which the hardware profile cannot describe the host
 
 
 def fastest_strategy(cfg: Config, hw: HardwareProfile) -> Strategy:
@@ -110,6 +112,7 @@ class ConaPolicy(Policy):
         self._launch_steps = 0
         self._dwell: list[float] = []  # step times of the running strategy since it started (the last 100)
         self.leading: Strategy | None = None  # the last decision's best candidate
+        self._profile_checked = False
         first = self._search_now(self.ladder[0]).best
         if first is None:
             lowest_blind = any(x.gbs == self.ladder[0] for x in blind)
@@ -222,9 +225,24 @@ class ConaPolicy(Policy):
             del self._dwell[:-SAMPLE_WINDOW]
         if len(self._dwell) < self.s.min_steps or self._launch_steps % self.s.decision_every:
             return None
+        if not self._profile_checked:
+            self._check_profile(row)
         results = self._join_search()
         self._maybe_search()
         return self._decide(row, self.gns(), results)
+
+    def _check_profile(self, row: dict[str, Any]) -> None:
+        """At the first decision, once: an event if the hardware profile fitted to the measured steps is still
+        more than `MISFIT` times off them, so that every strategy not yet run is predicted from a wrong
+        machine (the calibration moves the profile's efficiencies and overheads, not its peak)."""
+        self._profile_checked = True
+        found = self._calibrated(self.samples).misfit()
+        if found is None or 1 / MISFIT <= found[1] <= MISFIT or self.events is None:
+            return
+        strategy, ratio = found
+        self.events.write(
+            "profile_mismatch", step=row["step"], hardware=self.hw.name, strategy=strategy.to_dict(), ratio=ratio
+        )
 
     def time_left(self, row: dict[str, Any], t_step: float) -> float:
         """Seconds the run still has by its stop rules, at the running strategy's speed; a run that

@@ -34,6 +34,13 @@ def event_line(event: dict[str, Any]) -> str | None:
             f"decide  step {step}: {_strategy(event.get('current'))} -> {_strategy(event.get('candidate'))} "
             f"(Φ ratio {event.get('ratio', float('nan')):.3f}, switch cost {event.get('switch_cost_s', 0.0):.1f} s)"
         )
+    if kind == "profile_mismatch":
+        ratio = event.get("ratio", float("nan"))
+        return (
+            f"warning step {step}: {_strategy(event.get('strategy'))} runs at {ratio:.3g}× the step time that "
+            f"search.hardware {event.get('hardware')!r} can be fitted to: its predictions of the strategies not "
+            "yet run are wrong; set search.hardware to a profile of this hardware"
+        )
     if kind == "switch":
         how = "in place" if event.get("in_place") else "relaunch"
         return (

@@ -150,6 +150,17 @@ class Calibrator:
             warnings.simplefilter("ignore", ConvergenceWarning)  # few points: bounds are often hit
             self._gp = gp.fit(features(x), r)
 
+    def misfit(self) -> tuple[Strategy, float] | None:
+        """The measured strategy the fitted model (before the GP) is furthest from, and measured / modelled
+        there (None before a measurement): far from 1, the profile cannot describe the host at any setting
+        of the free parameters (a GPU's step times against a CPU's peak)."""
+        if not self.measurements:
+            return None
+        x, y = self._measured()
+        ratio = y / iteration_time(x, self.workload, self.fitted)
+        worst = int(np.argmax(np.abs(np.log(ratio))))
+        return list(self.measurements)[worst], float(ratio[worst])
+
     def predict(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mean and std of seconds per step for rows x = (dp, tp, pp, mbs, gbs)."""
         mean = iteration_time(x, self.workload, self.fitted)
