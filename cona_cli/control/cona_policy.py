@@ -13,8 +13,9 @@ own (the dwell; a launch's or resize's first `WARMUP_STEPS` are not timed), it g
   profiled);
 - each option's switch cost (measured resizes, hand-overs and relaunches; the configured estimates
   before any) and the time the run has left by its stop rules;
-and takes the decision's verdict. At the first decision it also checks that the hardware profile, fitted to
-the measured steps, describes them (a `profile_mismatch` event otherwise: the planner models another machine).
+and takes the decision's verdict. The first time a search was calibrated on measured steps, the decision
+also checks that the hardware profile, fitted to them, describes them (a `profile_mismatch` event
+otherwise: the planner models another machine).
 
 A background thread recalibrates the iteration-time model from the measured step times and reruns the
 search whenever the measurements moved, and after every switch. A decision uses the search started at
@@ -112,6 +113,7 @@ class ConaPolicy(Policy):
         self._launch_steps = 0
         self._dwell: list[float] = []  # step times of the running strategy since it started (the last 100)
         self.leading: Strategy | None = None  # the last decision's best candidate
+        self._misfit: tuple[Strategy, float] | None = None  # the last search's calibration against its steps
         self._profile_checked = False
         first = self._search_now(self.ladder[0]).best
         if first is None:
@@ -154,7 +156,7 @@ class ConaPolicy(Policy):
             cal = self._calibrated(snapshot)
             results = {g: search_gbs(self.space, cal, g, self.s) for g in rungs}
             with self._lock:
-                self._results = results
+                self._results, self._misfit = results, cal.misfit()
 
         self._thread = threading.Thread(target=run, name="cona-search", daemon=True)
         self._thread.start()
@@ -225,21 +227,22 @@ class ConaPolicy(Policy):
             del self._dwell[:-SAMPLE_WINDOW]
         if len(self._dwell) < self.s.min_steps or self._launch_steps % self.s.decision_every:
             return None
+        results = self._join_search()
         if not self._profile_checked:
             self._check_profile(row)
-        results = self._join_search()
         self._maybe_search()
         return self._decide(row, self.gns(), results)
 
     def _check_profile(self, row: dict[str, Any]) -> None:
-        """At the first decision, once: an event if the hardware profile fitted to the measured steps is still
-        more than `MISFIT` times off them, so that every strategy not yet run is predicted from a wrong
-        machine (the calibration moves the profile's efficiencies and overheads, not its peak)."""
-        self._profile_checked = True
-        found = self._calibrated(self.samples).misfit()
-        if found is None or 1 / MISFIT <= found[1] <= MISFIT or self.events is None:
+        """Once, from the first search calibrated on measured steps: an event if the hardware profile fitted to
+        them is still more than `MISFIT` times off them, so that every strategy not yet run is predicted from a
+        wrong machine (the calibration moves the profile's efficiencies and overheads, not its peak)."""
+        if self._misfit is None:
             return
-        strategy, ratio = found
+        self._profile_checked = True
+        strategy, ratio = self._misfit
+        if 1 / MISFIT <= ratio <= MISFIT or self.events is None:
+            return
         self.events.write(
             "profile_mismatch", step=row["step"], hardware=self.hw.name, strategy=strategy.to_dict(), ratio=ratio
         )

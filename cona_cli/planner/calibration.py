@@ -135,12 +135,12 @@ class Calibrator:
     def _fit_errors(self) -> None:
         """The parameters' posterior covariance (the fit's measurement rows and prior, linearised at the fit),
         then the GP on what the fitted model still misses."""
+        self._gp = self._cov = None
+        if len(self.measurements) < 2:  # predict keeps the uncalibrated error until both exist
+            return
         x, y = self._measured()
         g = self._log_time_gradient(x) / MEASUREMENT_NOISE
         self._cov = np.linalg.inv(g.T @ g + np.eye(len(self.free)) / PRIOR_LOG_STD**2)
-        self._gp = None
-        if len(self.measurements) < 2:
-            return
         r = np.log(y) - np.log(iteration_time(x, self.workload, self.fitted))
         kernel = ConstantKernel(MEASUREMENT_NOISE**2 * 4, (1e-4, 1.0)) * Matern(
             length_scale=np.full(5, 2.0), length_scale_bounds=(0.5, 20.0), nu=2.5
