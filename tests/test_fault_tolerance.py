@@ -221,6 +221,30 @@ def test_controller_sigterm_exits_143_and_resumes_past_an_unloadable_checkpoint(
     assert (newest.parent / f"bad-{newest.name}").is_dir()
 
 
+def test_a_second_sigterm_kills_the_workers_keeps_the_committed_checkpoints_and_the_run_resumes(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
+    """The first signal asks for a checkpoint (each save lingers 1 s here); the second, before it can be
+    committed, kills the workers at once: the run exits 143 without a traceback, the half-written
+    checkpoint is never used, and the resumed run ends as if nothing happened."""
+    proc = _start_and_wait(tmp_path, 6)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)  # well inside the 120 s a checkpointing worker is given
+    assert proc.returncode == 143 and "Traceback" not in err, err[-2000:]
+    run = tmp_path / "run"
+    assert no_process_left(run)
+    events = _rows(run / "events.jsonl")
+    assert [e["kind"] for e in events][-2:] == ["interrupted", "exit"]
+    saved = [e for e in events if e["kind"] == "checkpoint"]
+    assert saved and all(e["reason"] != "interrupt" and (Path(e["path"]) / "COMMITTED").is_file() for e in saved)
+    resumed = _resume(run)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    events = check_recovered(run, reference)
+    assert [e["step"] for e in events if e["kind"] == "launch"][-1] == saved[-1]["step"]
+
+
 def test_gives_up_after_max_restarts(tmp_path: Path) -> None:
     doc = {**DOC, "train": {**DOC["train"], "max_restarts": 0}}
     proc = _train(tmp_path, env={"CONA_TEST_DIE_AT_STEP": "2:0"}, doc=doc)

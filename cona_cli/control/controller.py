@@ -113,6 +113,7 @@ class Controller:
             cfg, self.files, policy, self.events, self.state, self.jobs.start, self.telemetry.token
         )
         self.signal_received: int | None = None
+        self.stop_now = False  # a second signal: the workers are killed instead of waited for
         self.launch = self.state.launch
         self.last_metric: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
@@ -432,8 +433,10 @@ class Controller:
             if self._sync_step is not None:  # after any command for that step, so it lands at the next
                 self.telemetry.send({"cmd": "sync", "step": self._sync_step})
                 self._sync_step = None
-            grace = NODE_FAILURE_GRACE_S if failed else INTERRUPT_GRACE_S
-            if stop_sent_at is not None and killed_at is None and time.monotonic() - stop_sent_at > grace:
+            grace = 0.0 if self.stop_now else NODE_FAILURE_GRACE_S if failed else INTERRUPT_GRACE_S
+            if stop_sent_at is not None and killed_at is None and time.monotonic() - stop_sent_at >= grace:
+                if self.stop_now:
+                    self.console.print("cona: a second signal: killing the workers (committed checkpoints stay)")
                 for a in agents:
                     a.signal(signal.SIGKILL)
                 killed_at = time.monotonic()
@@ -584,6 +587,9 @@ class Controller:
         return code
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        if self.signal_received is not None:  # a second Ctrl-C: stop waiting politely
-            raise KeyboardInterrupt
+        """The first signal asks the workers to checkpoint and stop; a second one kills them now (the
+        checkpoint being written is never committed, so the last committed one is the run's)."""
+        if self.signal_received is not None:
+            self.stop_now = True
+            return
         self.signal_received = signum
