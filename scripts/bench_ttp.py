@@ -25,7 +25,8 @@ runs (the paper's optimum sequence, with free switches): the ceiling of what cha
 
 `--clock virtual` runs every condition on the virtual clock (`train.clock`): real training, each step
 charged its time from the table (`--clock-table`: measured on this host by default, or a hardware
-profile's modelled times), so identical runs agree and runs may share the machine with other work, except
+profile's modelled times, which every run then also plans for: `search.hardware`, and `cluster.backend:
+gloo` on a host without GPUs), so identical runs agree and runs may share the machine with other work, except
 while a `measured` table calibrates a strategy it has not timed: an entry calibrated on a busy host is
 named in a warning after the table (delete it from the cache and rerun on an idle host).
 
@@ -57,7 +58,9 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from cona_cli.cluster.nodes import visible_gpus  # noqa: E402
 from cona_cli.overrides import parse_sets  # noqa: E402
+from cona_cli.planner.hardware import HARDWARE_DIR  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
 from cona_cli.report.crossing import crossing  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
@@ -294,7 +297,8 @@ def speedups(
 
 def bench_doc(config: Path, data: Path, max_time: float, clock: str = "wall", table: str | None = None) -> dict:
     """The config every run starts from: `data` as its corpus, `max_time` its only stop rule (seconds of
-    `clock`, with `table` the virtual clock's), no policy."""
+    `clock`, with `table` the virtual clock's: a hardware profile's is also what every run plans for, on
+    gloo where this host has no GPU), no policy."""
     doc = yaml.safe_load(config.read_text())
     if doc.get("data", {}).get("path"):
         doc["data"] = {**doc["data"], "path": str(data.resolve())}
@@ -305,6 +309,10 @@ def bench_doc(config: Path, data: Path, max_time: float, clock: str = "wall", ta
         if clock != "virtual":
             raise SystemExit("--clock-table: only with --clock virtual")
         doc["train"]["clock_table"] = table
+        if (HARDWARE_DIR / f"{table}.yaml").is_file():  # that machine's clock: plan for it, run on this one
+            doc["search"] = {**doc.get("search", {}), "hardware": table}
+            if not visible_gpus():
+                doc["cluster"] = {**doc.get("cluster", {}), "backend": "gloo"}
     for stop in ("target_ppl", "max_steps"):  # run the whole budget: every target gets a time
         doc["train"].pop(stop, None)
     for key in ("strategy", "chain", "policy"):

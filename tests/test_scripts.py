@@ -18,7 +18,9 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+import yaml
 
+from cona_core.config import config_from_dict
 from tests.support import REPO, TINY, write_config
 
 SCRIPTS = sorted((REPO / "scripts").glob("*.py"))
@@ -234,6 +236,21 @@ def test_bench_ttp_runs_every_config_for_its_whole_budget(monkeypatch: pytest.Mo
     assert doc["train"]["max_time"] == 90.0
     assert "max_steps" not in doc["train"] and "target_ppl" not in doc["train"]
     assert doc["train"]["decay_tokens"] == 3_000_000 and "policy" not in doc
+
+
+def test_bench_ttp_plans_for_the_hardware_profile_whose_clock_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--clock-table a6000-2x8`: every run plans for that profile (the cona row would otherwise plan for the
+    CPU under an A6000's clock), on gloo on a host without GPUs; a `measured` table changes neither."""
+    bench = import_script(script("bench_ttp.py"), monkeypatch)
+    monkeypatch.setattr(bench, "visible_gpus", lambda: [])
+    config = REPO / "configs" / "wikitext2-gpt-tiny.yaml"
+    gpu = bench.bench_doc(config, bench.DEFAULT_DATA, 60.0, "virtual", "a6000-2x8")
+    assert gpu["train"]["clock_table"] == "a6000-2x8" and gpu["search"]["hardware"] == "a6000-2x8"
+    assert gpu["cluster"]["backend"] == "gloo"
+    assert config_from_dict(gpu, "bench").search.hardware == "a6000-2x8"  # a valid config
+    here = bench.bench_doc(config, bench.DEFAULT_DATA, 60.0, "virtual", "measured")
+    own = yaml.safe_load(config.read_text())
+    assert here["search"] == own["search"] and here.get("cluster") == own.get("cluster")
 
 
 def test_reality_check_takes_each_cell_from_most_world_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
