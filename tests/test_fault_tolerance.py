@@ -289,13 +289,13 @@ def test_a_dropped_telemetry_connection_is_restarted_not_done(tmp_path: Path, re
 def test_a_relaunch_after_an_agent_kill_starts_once_the_old_ranks_are_gone(
     tmp_path: Path, reference: dict[int, float]
 ) -> None:
-    """SIGKILL the torchrun agent: its ranks get SIGTERM and checkpoint on their way out (saves linger 20 s
-    here, longer than the controller waits for a dead agent's output; no periodic ones). The restart waits
+    """SIGKILL the torchrun agent: its ranks get SIGTERM and checkpoint on their way out (saves linger 10 s
+    here, twice as long as the controller waits for a dead agent's output; no periodic ones). The restart waits
     for them: it starts from the checkpoint they wrote, and no row of the old launch follows the new
     launch's first."""
     run = tmp_path / "run"
     doc = {**DOC, "train": {**DOC["train"], "checkpoint_interval": None}}
-    proc = _start_and_wait(tmp_path, 5, save_delay_s=20.0, doc=doc)
+    proc = _start_and_wait(tmp_path, 5, save_delay_s=10.0, doc=doc)
     try:
         os.kill(json.loads((run / "controller_state.json").read_text())["agent_pids"][0], signal.SIGKILL)
         _, err = proc.communicate(timeout=240)
