@@ -21,14 +21,17 @@ runs (the paper's optimum sequence, with free switches): the ceiling of what cha
     python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3] [--first-seed N]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
         [--relaunch] [--cona-set cona-NAME:section.key=value] [--again static-16] [--tabulate]
-        [--clock virtual [--clock-table measured|PROFILE]]
+        [--clock virtual [--clock-table measured|PROFILE] [--table-from docs/clock-tables/NAME.json]]
 
 `--clock virtual` runs every condition on the virtual clock (`train.clock`): real training, each step
 charged its time from the table (`--clock-table`: measured on this host by default, or a hardware
 profile's modelled times, which every run then also plans for: `search.hardware`, and `cluster.backend:
 gloo` on a host without GPUs), so identical runs agree and runs may share the machine with other work, except
 while a `measured` table calibrates a strategy it has not timed: an entry calibrated on a busy host is
-named in a warning after the table (delete it from the cache and rerun on an idle host).
+named in a warning after the table (delete it from the cache and rerun on an idle host). `--table-from
+FILE` starts the measured table from one saved on another host (docs/clock-tables/ keeps the tables the
+recorded benchmarks ran on): its strategies are charged its times, so a table recorded in docs/benchmarks.md
+can be rerun, or added to, on any host; strategies it lacks are calibrated here.
 
 `--relaunch` adds `cona-relaunch` with `search.in_place: false` (every switch relaunches); `--cona-set
 cona-NAME:SECTION.KEY=VALUE` adds a cona run with that override (an A/B of a policy setting, interleaved
@@ -59,6 +62,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cona_cli.cluster.nodes import visible_gpus  # noqa: E402
+from cona_cli.control.clock_table import seed_measured_cache  # noqa: E402
 from cona_cli.overrides import parse_sets  # noqa: E402
 from cona_cli.planner.hardware import HARDWARE_DIR  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
@@ -320,6 +324,20 @@ def bench_doc(config: Path, data: Path, max_time: float, clock: str = "wall", ta
     return doc
 
 
+def seed_table(doc: dict, saved: Path, out: Path) -> None:
+    """`--table-from`: this host's measured table of the runs' config starts from `saved`."""
+    if doc["train"]["clock"] != "virtual" or doc["train"].get("clock_table", "measured") != "measured":
+        raise SystemExit("--table-from: only with --clock virtual and the measured table")
+    out.mkdir(parents=True, exist_ok=True)
+    base = out / "table-base.yaml"  # the runs' config, as `cona train` loads it
+    base.write_text(yaml.safe_dump(doc))
+    try:
+        path, n = seed_measured_cache(load_config(base), saved)
+    except ConfigError as e:
+        raise SystemExit(f"--table-from: {e}") from None
+    print(f"cona table: {n} strategies from {saved}, charged as measured there ({path})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "wikitext2-gpt-tiny.yaml")
@@ -334,6 +352,7 @@ def main() -> None:
         help="virtual: every run's time from a step-time table, whatever the host's load (train.clock)",
     )
     ap.add_argument("--clock-table", help="the virtual clock's table: measured (default), a profile or a YAML path")
+    ap.add_argument("--table-from", type=Path, help="start the measured table from this saved one (any host's)")
     ap.add_argument("--targets", default="600,400,300")
     ap.add_argument("--drop-worst", type=int, default=0, help="static rungs dropped after the first seed")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "ttp")
@@ -353,6 +372,8 @@ def main() -> None:
 
     doc = bench_doc(args.config, args.data, args.max_time, args.clock, args.clock_table)
     cfg = load_config(args.config)
+    if args.table_from is not None:
+        seed_table(doc, args.table_from, args.out)
     ladder = gbs_ladder(cfg)
     runs = variants(doc, ladder, cfg.search.gbs_static or ladder[len(ladder) // 2], args.relaunch)
     conas = cona_variants(doc, args.cona_set)  # always run: --only may name them too

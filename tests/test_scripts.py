@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
+from cona_cli.run_config import load_config
 from cona_core.config import config_from_dict
 from tests.support import REPO, TINY, write_config
 
@@ -251,6 +252,38 @@ def test_bench_ttp_plans_for_the_hardware_profile_whose_clock_it_runs(monkeypatc
     here = bench.bench_doc(config, bench.DEFAULT_DATA, 60.0, "virtual", "measured")
     own = yaml.safe_load(config.read_text())
     assert here["search"] == own["search"] and here.get("cluster") == own.get("cluster")
+
+
+def test_bench_ttp_table_from_a_saved_table_is_what_the_runs_are_charged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--table-from FILE`: the measured table that every run of the config reads on this host starts as FILE
+    (its entries, charged as they are); an entry this host times otherwise, or a file that is not a
+    measured table, is refused in one line naming it."""
+    from cona_cli.control.clock_table import clock_spec, measured_cache_path
+    from cona_core.rundir import RunDir
+    from cona_core.strategy import Strategy
+
+    monkeypatch.setenv("CONA_CACHE", str(tmp_path / "cache"))
+    bench = import_script(script("bench_ttp.py"), monkeypatch)
+    entry = {"seconds": 0.25, "spread": 0.05, "start_s": 2.5, "eval_s": 0.5, "load": 0.0}
+    saved = tmp_path / "table.json"
+    saved.write_text(json.dumps({"dp4-tp1-pp1-mbs2-gbs8": entry}))
+    config = REPO / "configs" / "wikitext2-gpt-tiny.yaml"
+    doc = bench.bench_doc(config, bench.DEFAULT_DATA, 60.0, "virtual")
+    bench.seed_table(doc, saved, tmp_path / "out")
+    run = write_config(tmp_path / "run.yaml", {**doc, "policy": "cona"})  # a run of the benchmark, as it loads
+    spec = clock_spec(load_config(run), RunDir(tmp_path / "r"), [])
+    assert spec.cache == str(measured_cache_path(load_config(run)))
+    assert spec.seconds(Strategy.parse("dp4-tp1-pp1-mbs2-gbs8")) == 0.25
+    bench.seed_table(doc, saved, tmp_path / "out")  # the same entries again: nothing to refuse
+    saved.write_text(json.dumps({"dp4-tp1-pp1-mbs2-gbs8": {**entry, "seconds": 0.3}}))
+    with pytest.raises(SystemExit, match="already times dp4-tp1-pp1-mbs2-gbs8 otherwise than"):
+        bench.seed_table(doc, saved, tmp_path / "out")
+    with pytest.raises(SystemExit, match="not a measured table"):
+        bench.seed_table(doc, config, tmp_path / "out")
+    with pytest.raises(SystemExit, match="only with --clock virtual"):
+        bench.seed_table(bench.bench_doc(config, bench.DEFAULT_DATA, 60.0), saved, tmp_path / "out")
 
 
 def test_reality_check_takes_each_cell_from_most_world_seeds(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,10 @@ or a mapping must time every strategy the policy may run; a missing one is refus
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from cona_cli.planner.workload import Workload
@@ -48,6 +50,39 @@ def _modelled(profile: str, workload: Workload, strategies: list[Strategy]) -> d
     return {str(s): float(t) for s, t in zip(strategies, times)}
 
 
+def measured_cache_path(cfg: Config) -> Path:
+    """Where this host keeps the measured table of `cfg`'s runs: one file per what decides a step's time."""
+    t = cfg.train
+    key = {name: asdict(getattr(cfg, name)) for name in ("model", "data")}
+    key["cluster"] = cfg.cluster.to_raw()
+    key["engine"] = {k: getattr(t, k) for k in ("dp_impl", "pp_schedule", "grad_clip", "gns")}
+    key["search"] = {"precision": cfg.search.precision, "recompute": cfg.search.recompute}
+    return measured_cache(key, cache_root())
+
+
+def seed_measured_cache(cfg: Config, saved: Path) -> tuple[Path, int]:
+    """Start this host's measured table of `cfg` from `saved`, a measured table written on any host (a cache
+    file: {strategy: {seconds, spread, start_s, eval_s, load}}): runs are then charged its times, and only
+    the strategies it lacks are calibrated here. Returns the cache file and how many entries it took; an
+    entry this host already times otherwise is refused, so that no table mixes two hosts' times unnoticed."""
+    entries = read_cache(saved)
+    if not entries or not all(isinstance(v, dict) and set(TIMING) <= set(v) for v in entries.values()):
+        raise ConfigError(f"{saved}: not a measured table (each strategy's {', '.join(TIMING)})")
+    for name in entries:
+        try:
+            Strategy.parse(name)
+        except StrategyError as e:
+            raise ConfigError(f"{saved}: {name!r}: not a strategy ({e})") from None
+    path = measured_cache_path(cfg)
+    cached = read_cache(path)
+    clash = next((name for name, v in entries.items() if name in cached and cached[name] != v), None)
+    if clash is not None:
+        raise ConfigError(f"{path} already times {clash} otherwise than {saved}: use another CONA_CACHE")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cached | entries, indent=1, sort_keys=True))
+    return path, len(entries)
+
+
 def clock_spec(cfg: Config, files: RunDir, strategies: list[Strategy]) -> ClockSpec:
     """The resolved table and charges of a virtual-clock run that may run `strategies`."""
     t = cfg.train
@@ -64,11 +99,7 @@ def clock_spec(cfg: Config, files: RunDir, strategies: list[Strategy]) -> ClockS
     if isinstance(table, dict):
         spec.table, spec.by_gbs = _mapping(table)
     elif table == "measured":
-        key = {name: asdict(getattr(cfg, name)) for name in ("model", "data")}
-        key["cluster"] = cfg.cluster.to_raw()
-        key["engine"] = {k: getattr(t, k) for k in ("dp_impl", "pp_schedule", "grad_clip", "gns")}
-        key["search"] = {"precision": cfg.search.precision, "recompute": cfg.search.recompute}
-        path = measured_cache(key, cache_root())
+        path = measured_cache_path(cfg)
         spec.cache = str(path)
         for name, entry in read_cache(path).items():
             if set(TIMING) <= set(entry):
