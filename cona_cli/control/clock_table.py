@@ -1,7 +1,8 @@
 """The virtual clock's table, resolved by the controller before the first launch (`cona_core.clock`).
 
 `train.clock_table` names where a step's time comes from: `measured` (this host's cache, filled by the
-workers' calibration passes as strategies first run), a hardware profile (the planner's cost model,
+workers' calibration passes as strategies first run, or started from a table saved on another host:
+`seed_measured_cache`, `scripts/bench_ttp.py --table-from`), a hardware profile (the planner's cost model,
 `planner.costmodel.iteration_time`, on that cluster) or a mapping by strategy or global batch. A profile
 or a mapping must time every strategy the policy may run; a missing one is refused before launch.
 """
