@@ -83,12 +83,7 @@ class ClockSpec:
         self.take(strategy, timing)
         if self.cache is not None:
             path = Path(self.cache)
-            cached = read_cache(path)
-            cached[str(strategy)] = timing
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            write_cache(path, read_cache(path) | {str(strategy): timing})
 
     def take(self, strategy: Strategy, timing: dict[str, float]) -> None:
         """Set `strategy`'s measured times (a cache entry, as `record` writes it); an entry whose `load`
@@ -143,6 +138,14 @@ def read_cache(path: Path) -> dict[str, dict[str, float]]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def write_cache(path: Path, entries: dict[str, dict[str, float]]) -> None:
+    """Replace a measured table's cache at once (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    os.replace(tmp, path)
 
 
 def measured_cache(model_cluster_train: dict[str, Any], cache_root: Path) -> Path:

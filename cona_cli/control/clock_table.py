@@ -9,14 +9,13 @@ or a mapping must time every strategy the policy may run; a missing one is refus
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from cona_cli.planner.workload import Workload
-from cona_core.clock import TIMING, ClockSpec, checkpoint_seconds, measured_cache, read_cache
+from cona_core.clock import TIMING, ClockSpec, checkpoint_seconds, measured_cache, read_cache, write_cache
 from cona_core.config import Config, ConfigError
 from cona_core.rundir import RunDir, cache_root
 from cona_core.strategy import Strategy, StrategyError
@@ -79,8 +78,7 @@ def seed_measured_cache(cfg: Config, saved: Path) -> tuple[Path, int]:
     clash = next((name for name, v in entries.items() if name in cached and cached[name] != v), None)
     if clash is not None:
         raise ConfigError(f"{path} already times {clash} otherwise than {saved}: use another CONA_CACHE")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cached | entries, indent=1, sort_keys=True))
+    write_cache(path, cached | entries)
     return path, len(entries)
 
 
