@@ -303,6 +303,9 @@ class TrainConfig:
     """adascale: lr·r^½ and the schedule on the progress clock Σ r (launch.lr); sqrt/linear/none: on tokens"""
     lr_base_gbs: int | None = _f(None, _positive)
     """the batch lr was tuned at (default: the ladder's lowest rung)"""
+    lr_calibration: bool | str = _f("auto", lambda v: None if v in ("auto", True, False) else _AUTO_BOOL)
+    """After warmup, raise lr by √2 while the hypergradient says a longer step would have lowered the loss
+    (launch.lr_calibration): auto (under policy cona), true or false"""
     weight_decay: float = _f(0.1, _non_negative)
     """AdamW weight decay"""
     beta1: float = _f(0.9, _fraction)

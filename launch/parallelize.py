@@ -63,6 +63,18 @@ class ParallelModel:
             if p.grad is not None and not self.is_tied_copy(p) and counts_here(p.grad, self.coord, dims)
         ]
 
+    def counted_pairs(self, dims: tuple[str, ...]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter with its gradient in the parameter's layout, for the pieces this rank counts (see
+        `counts_here`); a tied parameter's once, on the first stage."""
+        pairs = []
+        for p in self.model.parameters():
+            if p.grad is None or self.is_tied_copy(p):
+                continue
+            g = in_param_layout(p, p.grad)
+            if counts_here(g, self.coord, dims):
+                pairs.append((p, g))
+        return pairs
+
     def is_tied_copy(self, p: nn.Parameter) -> bool:
         """`p` is the last stage's copy of a tied parameter."""
         return not self.is_first and any(p is t for t in self.tied)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any, NamedTuple
 
 import torch
@@ -65,6 +66,7 @@ from launch.evaluator import Evaluator
 from launch.gradstats import NoiseNorms, local_grad_sq, scale_grads
 from launch.layout import Layout, build_layout
 from launch.lr import learning_rate, progress_tokens
+from launch.lr_calibration import LrCalibration, hypergradient_terms
 from launch.models import get_spec
 from launch.models.spec import Batch
 from launch.precision import resolve_precision
@@ -73,7 +75,7 @@ from launch.step_control import StepControl, sum_over_ranks
 from launch.telemetry_client import TelemetryClient
 from launch.testhooks import FaultHooks
 
-_N_SUMS = 4  # the step's sums before its control in the all-reduce: loss, |g|² and the GNS norms (`_sums`)
+_N_SUMS = 6  # the step's sums before its control in the all-reduce: loss, |g|², the GNS norms, g·u and |u|² (`_sums`)
 
 
 @dataclass
@@ -204,8 +206,10 @@ class Worker:
         self.state = TrainerState()
         self.small = NoiseNorms(self.pm, self.opt, self.spec.vocab_params) if t.gns else None
         self.noise = NoiseWindow(window=t.gns_window, per_batch=False)  # the LR's reading spans a change of batch
+        self.z = NormalDist().inv_cdf(self.cfg.search.confidence)  # the base LR's calibration reads at it
         self.gns_hold = math.ceil(1 / (1 - t.beta2))  # steps for Adam's second moment to describe a new batch
         self.state.gns_from_step = self.gns_hold  # held at the start, and after each change of batch
+        self.lr_calibration = LrCalibration()
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -233,10 +237,12 @@ class Worker:
         # A checkpoint from before the window (exponential averages, no "entries") starts an empty one.
         entries = self.state.extra.get("gns", {}).get("entries", [])
         self.noise = NoiseWindow(window=self.cfg.train.gns_window, entries=entries, per_batch=False)
+        self.lr_calibration = LrCalibration.from_state(self.state.extra.get("lr_calibration"))
 
     def _contents(self) -> dict[str, Any]:
         """What a checkpoint holds besides model and optimizer."""
         self.state.extra["gns"] = self.noise.state_dict()
+        self.state.extra["lr_calibration"] = self.lr_calibration.state_dict()
         return {"trainer": self.state.__dict__, "strategy": self.strategy.to_dict(), "launch": self.launch}
 
     def memory_fields(self, peak: tuple[float, ...]) -> dict[str, Any]:
@@ -260,7 +266,7 @@ class Worker:
         the controller asked."""
         s, st = self.strategy, self.state
         gns = self.noise.gns
-        self._set_lr(learning_rate(self.cfg.train, st.progress_tokens, s.gbs, gns))
+        self._set_lr(learning_rate(self.cfg.train, st.progress_tokens, s.gbs, gns) * self.lr_calibration.gain)
         micro = self._next_batch()
         self.opt.zero_grad(set_to_none=True)
         if self.small is not None:
@@ -270,17 +276,20 @@ class Worker:
         self.pm.average_grads()
         voting = self._voting()
         control = self._votes(want_eval, voting)
-        sums = self._sums(loss_sum if self._counts_loss() else 0.0)
+        calibrating = self._calibrating()
+        sums = self._sums(loss_sum if self._counts_loss() else 0.0, calibrating)
         control.memory = tuple(peak_memory(self.device))  # this rank's, the step's sums included
         reduced = control.all_reduce(sums, self.device)
         self._clip(reduced[1])
         self.opt.step()
         # The step's one host read, after the optimizer step: it waits for the step's work on the
         # device, so it is also what the step's timing needs.
-        (loss_total, grad_sq, small_sq, big_sq), agreed = StepControl.read(reduced, _N_SUMS)
+        (loss_total, grad_sq, small_sq, big_sq, gu, uu), agreed = StepControl.read(reduced, _N_SUMS)
         if voting:
             self.pm.accumulate_unsharded = not agreed.veto
         noise = self._update_noise(small_sq, big_sq)
+        if calibrating:
+            self._calibrate_lr(gu, grad_sq, uu)
         self._count_step(s, gns)
         self.commands.agree(agreed)
         loss = loss_total / (s.dp * s.n_microbatches)
@@ -324,11 +333,37 @@ class Worker:
             veto=veto,
         )
 
-    def _sums(self, loss: torch.Tensor | float) -> list[torch.Tensor | float]:
-        """The step's sums over ranks: the loss counted here, |g|² and the GNS estimator's two norms."""
+    def _sums(self, loss: torch.Tensor | float, calibrating: bool = False) -> list[torch.Tensor | float]:
+        """The step's sums over ranks: the loss counted here, |g|², the GNS estimator's two norms and, while the
+        base LR is calibrated, the hypergradient's g·u and |u|²."""
         grad_sq = local_grad_sq(self.pm)
         norms = [0.0, 0.0] if self.small is None else [self.small.small_share(), self.small.big_share()]
-        return [loss, grad_sq, *norms]
+        terms = hypergradient_terms(self.pm.counted_pairs(("dp", "tp")), self.opt) if calibrating else (0.0, 0.0)
+        return [loss, grad_sq, *norms, *terms]
+
+    def _calibrating(self) -> bool:
+        """Whether this step reads the hypergradient for the base LR (`launch.lr_calibration`): the run
+        calibrates it (`train.lr_calibration`; auto: under policy cona) and has not settled it, warmup is
+        over and Adam's second moment describes the run."""
+        t, st = self.cfg.train, self.state
+        wanted = t.lr_calibration is True or (t.lr_calibration == "auto" and self.cfg.policy == "cona")
+        return (
+            wanted
+            and not self.lr_calibration.settled
+            and st.progress_tokens >= t.warmup_tokens
+            and st.step >= self.gns_hold
+        )
+
+    def _calibrate_lr(self, gu: float, grad_sq: float, uu: float) -> None:
+        cal = self.lr_calibration
+        if cal.add(gu, grad_sq, uu, self.z) and self.rank == 0:
+            verdict = (
+                f"raised to {cal.gain:.3g}× train.lr" if not cal.settled else f"settled at {cal.gain:.3g}× train.lr"
+            )
+            print(
+                f"cona-worker: step {self.state.step + 1}: hypergradient t {cal.reads[-1]:+.2f}: base LR {verdict}",
+                flush=True,
+            )
 
     def _clip(self, grad_sq: torch.Tensor) -> None:
         """Clip the gradient norm on the device (clip_grad_norm_'s clamped coefficient): no host read."""
@@ -538,6 +573,7 @@ class Worker:
                 "time": round(st.time, 4),
                 "loss": out.loss,
                 "lr": self.opt.param_groups[0]["lr"],
+                "lr_gain": self.lr_calibration.gain,
                 **s.to_dict(),
                 "iter_s": iter_s,
                 "tokens_per_s": s.gbs * self.seq_len / iter_s,
