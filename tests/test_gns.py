@@ -122,7 +122,8 @@ FAMILY_MODEL = {"gpt": {}, "llama": {"n_heads": 8, "n_kv_heads": 4}, "bert": {}}
 )
 def test_shard_sums_equal_single_process(tiny_run_dir: Path, nproc: int, layouts: str, family: str) -> None:
     """Every layout counts the same parameters once: all but the family's vocab_params (embeddings and
-    output heads, tied copies under pp > 1 included), first micro-batch (dp = 1, and FSDP) too."""
+    output heads, tied copies under pp > 1 included), first micro-batch (dp = 1, and FSDP) too; and the
+    base LR's hypergradient over every parameter (each counted once, tied copies too)."""
     if family != "gpt":
         _family_run_dir(tiny_run_dir, family)
     if nproc == 2:  # the tiny config has 4 ranks; this job runs on 2
@@ -137,3 +138,4 @@ def test_shard_sums_equal_single_process(tiny_run_dir: Path, nproc: int, layouts
     for name, r in results.items():
         assert math.isclose(r["grad_sq"], r["ref_grad_sq"], rel_tol=1e-4, abs_tol=1e-7), (name, r)
         assert math.isclose(r["trace"], r["ref_trace"], rel_tol=1e-4), (name, r)
+        assert math.isclose(r["cosine"], r["ref_cosine"], rel_tol=1e-4), (name, r)

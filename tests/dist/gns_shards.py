@@ -1,9 +1,11 @@
-"""Run under torchrun: the GNS inputs summed over TP/PP shards equal a single-process computation.
+"""Run under torchrun: the GNS inputs and the base LR's hypergradient, summed over TP/PP shards, equal a
+single-process computation.
 
 Both measure Adam-preconditioned gradients, P g with P = 1 / (√(v / (1 - β2^t)) + ε): the optimizer
-state is set by hand to v = θ² + V0 at step t = STEP for every parameter (the same function of the
-same initial weights in both), so the reference computes P from the full weights. Both leave out the
-family's vocab_params (embeddings, output heads).
+state is set by hand to v = θ² + V0 and m = M0·θ at step t = STEP for every parameter (the same function
+of the same initial weights in both), so the reference computes P from the full weights. Both leave out
+the family's vocab_params (embeddings, output heads). The hypergradient's cosine g·u / (|g| |u|), u =
+m̂ P + λθ the last update's direction, is read over every parameter (`launch.lr_calibration`).
 
 Usage: torchrun --standalone --nproc-per-node W tests/dist/gns_shards.py RUN_DIR OUT_JSON LAYOUT[,LAYOUT]
 LAYOUT: dp-tp-pp, or fsdp-dp-tp-pp for FSDP (whose small batch is every replica's first micro-batch).
@@ -27,7 +29,7 @@ from launch.worker import Worker
 from tests.dist.common import start
 
 MBS, GBS = 2, 16
-STEP, V0 = 7, 1e-3
+STEP, V0, M0 = 7, 1e-3, 1e-2
 
 
 def second_moment(p: torch.Tensor) -> torch.Tensor:
@@ -40,13 +42,14 @@ def set_adam_state(opt: torch.optim.Optimizer) -> None:
         for p in group["params"]:
             opt.state[p] = {
                 "step": torch.tensor(float(STEP)),
-                "exp_avg": torch.zeros_like(p),
+                "exp_avg": p.detach() * M0,
                 "exp_avg_sq": second_moment(p),
             }
 
 
-def reference(cfg, corpus: CorpusInfo, s: Strategy, fsdp: bool) -> tuple[float, float]:
-    """Single process: (|G|^2, tr(Sigma)) raw estimates for the first step under strategy s."""
+def reference(cfg, corpus: CorpusInfo, s: Strategy, fsdp: bool) -> tuple[float, float, float]:
+    """Single process: (|G|^2, tr(Sigma)) raw estimates for the first step under strategy s, and the
+    hypergradient's cosine of the step's whole gradient."""
     m = cfg.model
     spec = get_spec(m.family)
     model = spec.build(m, corpus.vocab_size)
@@ -63,16 +66,24 @@ def reference(cfg, corpus: CorpusInfo, s: Strategy, fsdp: bool) -> tuple[float, 
         return float(sum((p.grad * precond[n]).double().pow(2).sum() for n, p in counted))
 
     big = grad_sq(*stream.samples(0, s.gbs))
+    beta1, decay = cfg.train.beta1, cfg.train.weight_decay
+    with torch.no_grad():  # the gradients of the whole batch, left by grad_sq
+        u = {n: M0 * p / (1 - beta1**STEP) * precond[n] + decay * p for n, p in model.named_parameters()}
+        params = list(model.named_parameters())
+        gu = sum(float((p.grad.double() * u[n].double()).sum()) for n, p in params)
+        gg = sum(float(p.grad.double().pow(2).sum()) for _, p in params)
+        uu = sum(float(u[n].double().pow(2).sum()) for n, _ in params)
+    cosine = gu / (gg * uu) ** 0.5
     if fsdp:  # every replica's first micro-batch, reduced over dp as FSDP does with each micro-batch
         first = [replica_microbatches(stream, 0, s.gbs, s.dp, r, s.mbs)[0] for r in range(s.dp)]
         small = grad_sq(torch.cat([x for x, _ in first]), torch.cat([y for _, y in first]))
-        return two_batch_estimate(s.dp * s.mbs, small, s.gbs, big)
+        return (*two_batch_estimate(s.dp * s.mbs, small, s.gbs, big), cosine)
     if s.dp > 1:
         replicas = [replica_microbatches(stream, 0, s.gbs, s.dp, r, s.mbs) for r in range(s.dp)]
         small = sum(grad_sq(torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])) for mbs in replicas) / s.dp
-        return two_batch_estimate(s.gbs // s.dp, small, s.gbs, big)
+        return (*two_batch_estimate(s.gbs // s.dp, small, s.gbs, big), cosine)
     x, y = replica_microbatches(stream, 0, s.gbs, 1, 0, s.mbs)[0]  # dp = 1: the first micro-batch
-    return two_batch_estimate(s.mbs, grad_sq(x, y), s.gbs, big)
+    return (*two_batch_estimate(s.mbs, grad_sq(x, y), s.gbs, big), cosine)
 
 
 def main() -> None:
@@ -86,6 +97,7 @@ def main() -> None:
         w = Worker(dataclasses.replace(cfg, train=impl), run_dir, s, launch=1)
         set_adam_state(w.opt)
         w.state.gns_from_step = 0  # measure from this step (a worker holds the estimator while v̂ is young)
+        w._calibrating = lambda: True  # read the hypergradient at this step (a worker waits for warmup)
         noise = w.train_step(False).noise
         ref = reference(cfg, corpus, s, fsdp)
         results[layout] = {
@@ -93,6 +105,8 @@ def main() -> None:
             "trace": noise["trace_raw"],
             "ref_grad_sq": ref[0],
             "ref_trace": ref[1],
+            "cosine": w.lr_calibration.cosines[0],
+            "ref_cosine": ref[2],
         }
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results))
