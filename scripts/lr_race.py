@@ -1,4 +1,4 @@
-"""Diagnostic: can a short trial after warmup find the base LR that `cona tune-lr`'s long trials find?
+"""Diagnostic: does a short trial after warmup find the base LR that long trials (`cona tune-lr`) find?
 
 Trains the config's model in one process at `--gbs` through the config's warmup at `train.lr`, then,
 from that state (an in-memory copy, restored before each branch), runs one branch per LR in `--lrs`
