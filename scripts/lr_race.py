@@ -2,22 +2,23 @@
 
 Trains the config's model in one process at `--gbs` through the config's warmup at `train.lr`, then,
 from that state (an in-memory copy, restored before each branch), runs one branch per LR in `--lrs`
-(constant, every branch on the same batches) for `--steps` steps, and prints each branch's validation
-loss after each of `--checks` steps (the same held-out batches for all) beside two one-step signals read
-over the branch's steps, which cost nothing in a run:
-- the hypergradient's cosine, Σ g_t·d_{t−1} / √(Σ|g_t|² Σ|d_{t−1}|²), d the last update (Baydin et al.
-  2018): positive where a longer step would have lowered the loss, negative where the steps overshoot;
-- its t-statistic over the branch's first 50 steps (the cosine drifts negative as training goes on).
+(constant, every branch on the same batches) up to the last of `--checks` steps, and prints each
+branch's validation loss after each of them (the same held-out batches for all) beside the one-step
+signal the workers read, which costs nothing in a run: the hypergradient's cosine g_t·u / (|g_t| |u|), u
+the last AdamW update (`launch.lr_calibration`; Baydin et al. 2018), positive where a longer step would
+have lowered the loss, its mean and t-statistic over the branch's first 50 steps (it drifts negative as
+training goes on). `--online Z` runs the shipped rule instead, against fixed LRs.
 A trial of M steps per LR picks the LR of the lowest loss at M; where that agrees with the long trials'
 best at a small M, a run could set its own base LR for the cost of the losing branches.
 
     python scripts/lr_race.py [--config configs/tiny.yaml] [--data DIR] [--gbs 8]
-        [--lrs 0.5,1,2,4 (× train.lr)] [--checks 25,50,100,200] [--eval-batches 16]
+        [--lrs 0.5,1,2,4 (× train.lr)] [--checks 25,50,100,200] [--eval-batches 16] [--online Z [--tokens N]]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -25,8 +26,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-
-SIGNAL_STEPS = 50  # the hypergradient is read over a branch's first steps, where it is read in a run
 
 
 def numbers(text: str) -> list[float]:
@@ -45,9 +44,8 @@ def main() -> None:
         "--online",
         type=float,
         metavar="Z",
-        help="instead: train the config's schedule over --tokens at train.lr, at 2× it, and under the online rule "
-        "(after warmup, raise the LR by √2 while the last 50 steps' hypergradient t-statistic exceeds Z), "
-        "and print each one's validation loss",
+        help="instead: train a cosine schedule over --tokens at train.lr, at 2× it, and under the workers' rule "
+        "(launch.lr_calibration, at z = Z), and print each one's LR and validation loss",
     )
     ap.add_argument("--tokens", type=int, default=400_000, help="the schedule's length with --online")
     args = ap.parse_args()
@@ -61,6 +59,8 @@ def main() -> None:
     from cona_core.shape import SPECIAL_TOKENS
     from launch.data.corpus import prepare_corpus
     from launch.data.sampling import TokenStream
+    from launch.lr import schedule_factor
+    from launch.lr_calibration import WINDOW, LrCalibration, hypergradient_terms
     from launch.snapshot import Snapshot
 
     torch, model, opt, stream, spec, cfg = one_process_run(args.config, args.data)
@@ -89,50 +89,32 @@ def main() -> None:
                 losses.append(float(spec.loss(model(x), y)))
             return statistics.fmean(losses)
 
+    def hypergradient() -> tuple[float, float, float]:
+        """g·u, |g|² and |u|² of the gradient now against the last update, as the workers read them."""
+        gu, uu = hypergradient_terms([(p, p.grad) for p in params], opt)
+        return float(gu), sum(float(p.grad.double().pow(2).sum()) for p in params), float(uu)
+
     warmup = max(1, math.ceil(t.warmup_tokens / (b * seq)))
-
-    def hypergradient_cos(prev: list) -> float | None:
-        """g_t·d_{t−1} / (|g_t| |d_{t−1}|), `prev` the parameters before the last update."""
-        gd = sum(float((p.grad * (q - p)).sum()) for p, q in zip(params, prev))
-        gg = sum(float((p.grad**2).sum()) for p in params)
-        dd = sum(float(((q - p) ** 2).sum()) for p, q in zip(params, prev))
-        return gd / math.sqrt(gg * dd) if gg * dd > 0 else None
-
     if args.online is not None:
+        # The shipped rule (`LrCalibration`) from where the workers start reading: warmup over and Adam's
+        # second moment settled; the fixed LRs are the same schedule with a settled gain.
         start = Snapshot.take(model, opt)  # the model as built: each schedule starts from it
-        total = max(warmup + 1, args.tokens // (b * seq))
-        decay = max(1, total - warmup)
-        print(f"{args.config}: gbs {b}, {total} steps ({warmup} of warmup, cosine to {t.min_lr_ratio} after)")
-        for name, fixed in (("train.lr", 1.0), ("2 × train.lr", 2.0), (f"online, z {args.online:g}", None)):
+        schedule = dataclasses.replace(t, schedule="cosine", decay_tokens=max(1, args.tokens - t.warmup_tokens))
+        total, first = max(warmup + 1, args.tokens // (b * seq)), max(warmup, math.ceil(1 / (1 - t.beta2)))
+        print(f"{args.config}: gbs {b}, {total} steps (warmup {warmup}, cosine to {t.min_lr_ratio} after)")
+        for name, cal in (
+            ("train.lr", LrCalibration(settled=True)),
+            ("2 × train.lr", LrCalibration(gain=2.0, settled=True)),
+            (f"online, z {args.online:g}", LrCalibration()),
+        ):
             start.restore(model, opt)
-            gain, window, prev, raises = fixed or 1.0, [], None, []
             for i in range(total):
-                done = min(1.0, max(0, i + 1 - warmup) / decay)
-                shape = (
-                    (i + 1) / warmup
-                    if i < warmup
-                    else t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done))
-                )
-                step(i, t.lr * gain * shape)
-                with torch.no_grad():
-                    if fixed is None and i >= warmup and prev is not None:
-                        c = hypergradient_cos(prev)
-                        if c is not None:
-                            window.append(c)
-                        if len(window) == SIGNAL_STEPS:
-                            tstat = statistics.fmean(window) / (statistics.stdev(window) / math.sqrt(len(window)))
-                            raises.append(f"{tstat:+.1f}")
-                            window = []
-                            if tstat > args.online:
-                                gain *= math.sqrt(2)
-                            else:
-                                fixed = gain  # settled: no more reads
-                    prev = [p.detach().clone() for p in params] if fixed is None else None
+                step(i, t.lr * cal.gain * schedule_factor(schedule, i * b * seq))
+                if i >= first and not cal.settled:
+                    cal.add(*hypergradient(), z=args.online)
                 update()
-            reads = ", ".join(raises) or "-"
-            print(
-                f"  {name}: LR {t.lr * gain:.3g} (t per window: {reads}), validation loss {val_loss():.4f}", flush=True
-            )
+            reads = ", ".join(f"{r:+.1f}" for r in cal.reads) or "-"
+            print(f"  {name}: LR {t.lr * cal.gain:.3g} (t per window: {reads}), validation loss {val_loss():.4f}")
         return
     for i in range(warmup):
         step(i, t.lr * (i + 1) / warmup)
@@ -140,22 +122,17 @@ def main() -> None:
     start = Snapshot.take(model, opt)
     print(f"{args.config}: gbs {b}, warmup {warmup} steps at train.lr {t.lr:g}, validation loss {val_loss():.4f}")
     head = " | ".join(f"loss at {c}" for c in checks)
-    print(f"| LR | {head} | hypergradient cos (t), first {SIGNAL_STEPS} steps |")
+    print(f"| LR | {head} | hypergradient cos (t), first {WINDOW} steps |")
     print("|---|" + "---|" * (len(checks) + 1))
     for mult in args.lrs:
         lr = t.lr * mult
         start.restore(model, opt)
-        prev, cos, losses = None, [], []
+        cos, losses = [], []
         for k in range(1, checks[-1] + 1):
             step(warmup + k - 1, lr)
-            with torch.no_grad():
-                if prev is not None and k <= SIGNAL_STEPS:
-                    gd = sum(float((p.grad * (q - p)).sum()) for p, q in zip(params, prev))
-                    gg = sum(float((p.grad**2).sum()) for p in params)
-                    dd = sum(float(((q - p) ** 2).sum()) for p, q in zip(params, prev))
-                    if gg * dd > 0:
-                        cos.append(gd / math.sqrt(gg * dd))
-                prev = [p.detach().clone() for p in params] if k < SIGNAL_STEPS else None
+            if k <= WINDOW:
+                gu, gg, uu = hypergradient()
+                cos.append(gu / math.sqrt(gg * uu))
             update()
             if k in checks:
                 losses.append(val_loss())
