@@ -138,10 +138,10 @@ class TelemetryServer:
         now = time.monotonic()
         with self._lock:
             late = [conn for conn, deadline in self._pending.items() if deadline <= now]
+            self.dropped += len(late)  # before the closes: whoever sees one closed sees it counted
             for conn in late:
                 self._close(conn)
         if late:
-            self.dropped += len(late)
             log.warning("telemetry: closed %d connections without a hello within %g s", len(late), AUTH_TIMEOUT_S)
 
     def _close(self, conn: socket.socket) -> None:
