@@ -296,11 +296,11 @@ class TrainConfig:
     schedule: str = _f("cosine", _one_of("constant", "cosine", "linear"))
     """LR decay after warmup (cosine, linear need decay_tokens or max_tokens)"""
     warmup_tokens: int = _f(0, _non_negative)
-    """linear warmup from 0, in tokens"""
+    """linear warmup from 0, in raw tokens under every recipe"""
     decay_tokens: int | None = _f(None, _positive)
     """tokens of the decay after warmup (default: max_tokens)"""
     lr_scaling: str = _f("adascale", _one_of("adascale", "sqrt", "linear", "none"))
-    """adascale: lr·r^½ and the schedule on the progress clock Σ r (launch.lr); sqrt/linear/none: on tokens"""
+    """adascale: lr·r^½ and the decay on the progress clock Σ r (launch.lr); sqrt/linear/none: on tokens"""
     lr_base_gbs: int | None = _f(None, _positive)
     """the batch lr was tuned at (default: the ladder's lowest rung)"""
     lr_calibration: bool | str = _f("auto", lambda v: None if v in ("auto", True, False) else _AUTO_BOOL)

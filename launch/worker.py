@@ -266,7 +266,8 @@ class Worker:
         the controller asked."""
         s, st = self.strategy, self.state
         gns = self.noise.gns
-        self._set_lr(learning_rate(self.cfg.train, st.progress_tokens, s.gbs, gns) * self.lr_calibration.gain)
+        lr = learning_rate(self.cfg.train, st.progress_tokens, st.consumed_samples * self.seq_len, s.gbs, gns)
+        self._set_lr(lr * self.lr_calibration.gain)
         micro = self._next_batch()
         self.opt.zero_grad(set_to_none=True)
         if self.small is not None:
@@ -350,7 +351,7 @@ class Worker:
         return (
             wanted
             and not self.lr_calibration.settled
-            and st.progress_tokens >= t.warmup_tokens
+            and st.consumed_samples * self.seq_len >= t.warmup_tokens
             and st.step >= self.gns_hold
         )
 

@@ -84,7 +84,7 @@ def plain_losses(
         t0 = time.perf_counter()
         x, y = (z.to(device) for z in stream.samples(step * gbs, gbs))
         for g in opt.param_groups:
-            g["lr"] = learning_rate(t, step * gbs * m.seq_len, gbs)
+            g["lr"] = learning_rate(t, step * gbs * m.seq_len, step * gbs * m.seq_len, gbs)
         opt.zero_grad()
         loss = spec.loss(model(x), y)
         loss.backward()

@@ -109,7 +109,7 @@ def main() -> None:
         ):
             start.restore(model, opt)
             for i in range(total):
-                step(i, t.lr * cal.gain * schedule_factor(schedule, i * b * seq))
+                step(i, t.lr * cal.gain * schedule_factor(schedule, i * b * seq, i * b * seq))
                 if i >= first and not cal.settled:
                     cal.add(*hypergradient(), z=args.online)
                 update()

@@ -64,7 +64,7 @@ def reference_losses(cfg, corpus: CorpusInfo, gbs: int, steps: int) -> tuple[lis
     for step in range(steps):
         x, y = stream.samples(step * gbs, gbs)
         for g in opt.param_groups:
-            g["lr"] = learning_rate(t, step * gbs * m.seq_len, gbs)
+            g["lr"] = learning_rate(t, step * gbs * m.seq_len, step * gbs * m.seq_len, gbs)
         opt.zero_grad()
         loss = spec.loss(model(x), y)
         loss.backward()
