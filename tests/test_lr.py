@@ -58,6 +58,6 @@ def test_warmup_counts_raw_tokens_and_the_decay_starts_where_progress_passes_it(
         steps += 1
     assert steps == 10 and tokens == 3_200  # 3,200 tokens / (32 × 10) a step: gbs 8 would take 40 steps
     assert progress == pytest.approx(10 * gain(32, 8, gns) * 8 * seq) and progress < t.warmup_tokens
-    assert schedule_factor(t, t.warmup_tokens - 1, 10 * tokens) == 1.0  # the peak holds
+    assert schedule_factor(t, t.warmup_tokens / 2, 10 * tokens) == 1.0  # the peak holds (not 0.5: warmup is over)
     assert schedule_factor(t, t.warmup_tokens + 1_000, 10 * tokens) == pytest.approx(1 - 0.9 * 0.1)
     assert schedule_factor(t, 1_600, 1_600) == pytest.approx(1_601 / 3_200)  # halfway through warmup
