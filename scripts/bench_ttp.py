@@ -16,7 +16,11 @@ Prints, per target, the median and range over seeds of each run's time to the ta
 between evaluations), and of cona's speed-up against static-auto, the best static of the same seed
 (the best fixed strategy in hindsight, over both recipes), the best static of each recipe and the
 ramp, then each seed's speed-ups. The "hindsight chain" row is the fastest chain of that seed's static
-runs (the paper's optimum sequence, with free switches): the ceiling of what chaining them could gain.
+runs (the paper's optimum sequence, with free switches): the ceiling of what chaining them could gain,
+and biased upward, as it picks the fastest of noisy curves slice by slice. With two seeds or more two
+readings measure that bias (`cona_cli/report/chain.py`): "the chain's noise floor" (each static's
+fastest seed against the chain of its own seeds' runs: 1 without noise) and the "chain from another
+seed" row (the path the chain took in another seed, timed on this seed's statics: no selection, no ceiling).
 
     python scripts/bench_ttp.py [--config configs/wikitext2-gpt-tiny.yaml] [--data DIR] [--seeds 3] [--first-seed N]
         [--max-time 240] [--targets 600,400,300] [--drop-worst 0] [--out runs/ttp] [--only cona,static-auto]
@@ -47,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 import json
 import math
 import shutil
@@ -66,6 +69,7 @@ from cona_cli.control.clock_table import seed_measured_cache  # noqa: E402
 from cona_cli.overrides import parse_sets  # noqa: E402
 from cona_cli.planner.hardware import HARDWARE_DIR  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
+from cona_cli.report.chain import ChainPath, chain_along, fastest_chain  # noqa: E402
 from cona_cli.report.crossing import crossing  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
 from cona_cli.run_config import load_config  # noqa: E402
@@ -76,6 +80,7 @@ from cona_core.rundir import RunDir  # noqa: E402
 AGAIN = "-again"  # suffix of the identical reruns made by --again
 RAMP = "ramp"  # Megatron's batch-size ramp (see ramp_variant)
 HINDSIGHT = "hindsight chain"  # the statics' fastest chain in hindsight (see hindsight_chain)
+ACROSS = "chain from another seed"  # that chain's path, timed on another seed's statics
 CONA = [sys.executable, "-c", "from cona_cli.app import main; main()"]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "wikitext-2-raw"
 
@@ -198,38 +203,48 @@ def samples_per_s(run_dir: Path) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def hindsight_chain(
-    run_dirs: list[Path], targets: list[float], levels: int = 400
-) -> tuple[list[float | None], list[tuple[str, float]]]:
-    """The fastest chain of these (static) runs in hindsight, the paper's "optimum sequence": from the
-    earliest first evaluation, each slice of log-ppl is crossed at the speed of the run that crossed
-    it fastest. Switches cost nothing and progress depends only on the loss reached (not on the LR
-    schedule's position or the optimizer state), so it bounds what chaining these strategies could
-    gain, up to the resolution of the evaluations. Returns the time to each target and, to the last
-    target reached, the chain: (run, the ppl from which it is the fastest) in order."""
-    named = [(d.name, c) for d, c in ((d, curve(d)) for d in run_dirs) if c]
-    start = min(c[0][0] for _, c in named)
-    top = max(c[0][1] for _, c in named)
-    out: list[float | None] = []
-    path: list[tuple[str, float]] = []
-    for target in targets:
-        grid = [top + (math.log(target) - top) * k / levels for k in range(levels + 1)]
-        elapsed: float | None = start
-        steps: list[tuple[str, float]] = []
-        for hi, lo in itertools.pairwise(grid):
-            spans = [(n, crossing(c, lo), crossing(c, hi)) for n, c in named]
-            spans = [(b - a, n) for n, b, a in spans if a is not None and b is not None]
-            if not spans:
-                elapsed = None
-                break
-            span, name = min(spans)
-            elapsed += span
-            if not steps or steps[-1][0] != name:
-                steps.append((name, math.exp(hi)))
-        out.append(elapsed)
-        if elapsed is not None:
-            path = steps
-    return out, path
+def hindsight_chain(run_dirs: list[Path], targets: list[float]) -> tuple[list[float | None], list[ChainPath]]:
+    """The fastest chain of these (static) runs in hindsight (`cona_cli.report.chain`): the time to each
+    target and the path to it (empty where not reached)."""
+    named = {d.name: c for d in run_dirs if (c := curve(d))}
+    chains = [fastest_chain(named, t) for t in targets]
+    return [t for t, _ in chains], [path for _, path in chains]
+
+
+def chain_from_other_seeds(
+    dirs: dict[int, list[Path]], paths: dict[int, list[ChainPath]], targets: list[float]
+) -> dict[int, list[float | None]]:
+    """Per seed, the time to each target of its static runs along the hindsight chain's path of each other
+    seed (the median over those seeds): the chain without the selection of its own seed's noise."""
+    out: dict[int, list[float | None]] = {}
+    for seed, run_dirs in dirs.items():
+        named = {d.name: c for d in run_dirs if (c := curve(d))}
+        row: list[float | None] = []
+        for j, target in enumerate(targets):
+            along = [chain_along(named, target, p[j]) for s, p in paths.items() if s != seed and p[j]]
+            row.append(statistics.median(along) if along and None not in along else None)
+        out[seed] = row
+    return out
+
+
+def chain_noise_floor(dirs: dict[int, list[Path]], targets: list[float]) -> list[list[float]]:
+    """Per target, for every static run in two seeds or more: the fastest of its seeds' times / the time of
+    the hindsight chain of those runs alone (1.0 without noise)."""
+    by_name: dict[str, list[Path]] = {}
+    for _, run_dirs in sorted(dirs.items()):
+        for d in run_dirs:
+            by_name.setdefault(d.name, []).append(d)
+    floor: list[list[float]] = [[] for _ in targets]
+    for runs in by_name.values():
+        named = {f"{d.name}@{d.parent.name}": c for d in runs if (c := curve(d))}
+        if len(named) < 2:
+            continue
+        for j, target in enumerate(targets):
+            chained, _ = fastest_chain(named, target)
+            alone = [t for c in named.values() if (t := crossing(c, math.log(target))) is not None]
+            if chained is not None and alone:
+                floor[j].append(min(alone) / chained)
+    return floor
 
 
 def finished(run_dir: Path) -> bool:
@@ -420,17 +435,29 @@ def main() -> None:
             print(f"dropped after seed {base_seed}: {', '.join(slowest)} (fewest targets reached, then slowest)")
             runs = {k: v for k, v in runs.items() if k not in slowest}
     results = {name: per_seed for name, per_seed in results.items() if per_seed}
+    static_dirs = {
+        seed: [args.out / f"s{seed}" / n for n, r in results.items() if is_static(n) and seed in r]
+        for seed in sorted({seed for per_seed in results.values() for seed in per_seed})
+    }
+    static_dirs = {seed: dirs for seed, dirs in static_dirs.items() if len(dirs) > 1}
     chain: dict[int, list[float | None]] = {}
-    paths: dict[int, list[tuple[str, float]]] = {}
-    for seed in sorted({seed for per_seed in results.values() for seed in per_seed}):
-        statics = [args.out / f"s{seed}" / n for n, r in results.items() if is_static(n) and seed in r]
-        if len(statics) > 1:
-            chain[seed], paths[seed] = hindsight_chain(statics, targets)
+    paths: dict[int, list[ChainPath]] = {}
+    for seed, dirs in static_dirs.items():
+        chain[seed], paths[seed] = hindsight_chain(dirs, targets)
     if chain:
         results[HINDSIGHT] = chain
         print("\nthe hindsight chain per seed (each run from the ppl where it is the fastest):")
-        for seed, path in paths.items():
+        for seed, per_target in paths.items():
+            path = next((p for p in reversed(per_target) if p), [])
             print(f"  s{seed}: " + " → ".join(f"{name} (from {ppl:.4g})" for name, ppl in path))
+    if len(chain) > 1:
+        results[ACROSS] = chain_from_other_seeds(static_dirs, paths, targets)
+        floor = chain_noise_floor(static_dirs, targets)
+        print(
+            "\nthe chain's noise floor: the fastest seed of each static / the hindsight chain of its seeds' runs, "
+            "median [range] over the statics (1 without noise): "
+            + ", ".join(f"ppl {t:g} {spread(f)}" for t, f in zip(targets, floor))
+        )
 
     rates = []
     for name in [n for n in results if n.startswith("static")]:  # with the reruns: their speed drifts too
@@ -450,12 +477,13 @@ def main() -> None:
             reached = [t[j] for t in per_seed.values() if t[j] is not None]
             cells.append(f"{spread(reached)} ({len(reached)}/{len(per_seed)})")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    conas = [n for n in results if n.startswith("cona") or n == HINDSIGHT]
+    conas = [n for n in results if n.startswith("cona") or n in (HINDSIGHT, ACROSS)]
     primary = doc["train"].get("lr_scaling", "adascale")
     labels = ["static-auto", "best static", f"best static {primary}", f"best static {other_recipe(doc)}"]
     labels += [RAMP] * (RAMP in results)
+    labels += [n for n in (HINDSIGHT, ACROSS) if n in results]
     for cona in conas:
-        for label in labels:
+        for label in [lb for lb in labels if lb != cona]:
             ups = speedups(results, cona, label, len(targets), primary)
             cells = [spread([u[j] for u in ups.values() if u[j] is not None]) + "×" for j in range(len(targets))]
             print(f"| {cona} vs {label} | " + " | ".join(cells) + " |")

@@ -185,6 +185,36 @@ def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
     assert chain is not None and 100 <= float(chain.group(1)) <= 101, text
 
 
+def test_bench_ttp_measures_the_chains_noise_with_a_second_seed(tmp_path: Path) -> None:
+    """With two seeds: the chain along the other seed's path and the noise floor (each static's fastest seed
+    over the chain of its seeds), by hand. The evaluations sit at ppl 200, 100 and 50, so each run crosses
+    the slices from 200 to 100 and from 100 to 50 at one speed each."""
+    cfg = write_config(tmp_path / "tiny.yaml", {**TINY, "search": {"gbs_min": 8, "gbs_max": 64, "gbs_static": 32}})
+    out = tmp_path / "ttp"
+    spans = {  # (seconds 200 → 100, 100 → 50) per seed and run
+        1: {"static-16": (10, 10), "static-auto": (12, 6)},  # chain 10 + 6: static-16, then static-auto
+        2: {"static-16": (14, 6), "static-auto": (9, 10)},  # chain 9 + 6: static-auto, then static-16
+    }
+    for seed, runs in spans.items():
+        for name, (first, second) in runs.items():
+            ttp_run(out / f"s{seed}" / name, [(0, 200), (first, 100), (first + second, 50)], 16)
+        ttp_run(out / f"s{seed}" / "cona", [(0, 200), (10, 100), (18, 50)], 16)
+    proc = run_script(
+        "bench_ttp.py",
+        *("--config", str(cfg), "--out", str(out), "--first-seed", "1", "--seeds", "2", "--targets", "50"),
+        "--tabulate",
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert "| hindsight chain | 15.5 [15–16] (2/2) |" in text, text
+    # seed 1 along seed 2's path: static-auto's 12 s, static-16's 10 s; seed 2 along seed 1's: 14 + 10
+    assert "| chain from another seed | 23 [22–24] (2/2) |" in text, text
+    assert "| cona vs chain from another seed | 1.28 [1.22–1.33]× |" in text, text  # 22 / 18 and 24 / 18
+    # static-16: fastest seed 20 s, its seeds' chain 10 + 6; static-auto: 18 s against 9 + 6
+    assert "the chain's noise floor" in text and "ppl 50 1.22 [1.2–1.25]" in text, text  # median 1.225
+
+
 def test_bench_ttp_ramps_to_the_best_static_batch_where_it_is_larger(monkeypatch: pytest.MonkeyPatch) -> None:
     """Megatron's ramp from the lowest rung in steps of it, over the samples given, ends at gbs_static (32) unless
     the best static run's batch is larger."""
