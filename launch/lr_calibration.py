@@ -5,9 +5,11 @@ After an update θ_t = θ_{t−1} − η·u (u the AdamW direction m̂/(√v̂ +
 g_t gives the loss's derivative by that step's LR, dL/dη = −g_t·u (Baydin et al. 2018, "Online learning
 rate adaptation with hypergradient descent"). The batch's noise is independent of u, so the mean of the
 cosine c_t = g_t·u / (|g_t| |u|) over a window is positive where the steps fall short and negative where
-they overshoot. Over the `WINDOW` steps after warmup (and after Adam's second moment describes the run), a
-mean above 0 at the policy's confidence (its t-statistic above z) raises the LR by √2 and reads a new
-window; the first window that does not settles the LR for the rest of the run. It only ever raises: the
+they overshoot. The window after warmup (once Adam's second moment describes the run) is read `LOOKS`
+times, every WINDOW / LOOKS steps: a mean above 0 at the policy's confidence split over the looks (its
+t-statistic above z at α / LOOKS, Bonferroni) raises the LR by √2 and starts a new window, so a clear
+signal acts after a fifth of the window at the false-raise rate of one read; a window that reaches its
+`WINDOW` steps without raising settles the LR for the rest of the run. It only ever raises: the
 one-step signal turns negative as training goes on and reads below the LR that a long run does best with
 (docs/switching.md), so it can tell an LR that is too low, not find the best one.
 """
@@ -18,6 +20,7 @@ import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ import torch
 from launch.dtensor_pieces import local_tensor
 
 WINDOW = 50  # steps per reading of the hypergradient's sign
+LOOKS = 5  # reads of each window, its confidence split over them
 RAISE = math.sqrt(2)  # the LR's step up (Adam's LR for twice the batch, by the square-root rule)
 
 
@@ -52,6 +56,11 @@ def hypergradient_terms(
     return gu, uu
 
 
+def look_z(z: float) -> float:
+    """The threshold of one look: z's one-sided tail split over the `LOOKS` (2.33 → 2.88)."""
+    return NormalDist().inv_cdf(1 - NormalDist().cdf(-z) / LOOKS)
+
+
 @dataclass
 class LrCalibration:
     """The base LR's multiplier (`gain`), the window's cosines and whether it is settled: a checkpoint's."""
@@ -69,18 +78,22 @@ class LrCalibration:
         return asdict(self)
 
     def add(self, gu: float, gg: float, uu: float, z: float) -> bool:
-        """One step's g·u, |g|² and |u|² (summed over ranks); at the window's end, raise the gain if the
-        mean cosine is above 0 at `z`, else settle. Returns whether this step ended a window."""
+        """One step's g·u, |g|² and |u|² (summed over ranks); at each look, raise the gain if the mean cosine
+        is above 0 at `z` split over the looks; at the window's end, settle if it did not. Returns whether
+        this step ended a window."""
         if self.settled or gg <= 0 or uu <= 0:
             return False
         self.cosines.append(gu / math.sqrt(gg * uu))
-        if len(self.cosines) < WINDOW:
+        n = len(self.cosines)
+        if n % (WINDOW // LOOKS):
             return False
         spread = statistics.stdev(self.cosines)
-        t = statistics.fmean(self.cosines) / (spread / math.sqrt(len(self.cosines))) if spread > 0 else 0.0
+        t = statistics.fmean(self.cosines) / (spread / math.sqrt(n)) if spread > 0 else 0.0
+        if t <= look_z(z) and n < WINDOW:
+            return False
         self.reads.append(t)
         self.cosines = []
-        if t > z:
+        if t > look_z(z):
             self.gain *= RAISE
         else:
             self.settled = True

@@ -1,5 +1,5 @@
 """The base LR's online calibration (launch.lr_calibration): the hypergradient's terms against a hand
-computation and a real AdamW step, and the raise-or-settle rule on scripted windows."""
+computation and a real AdamW step, and the raise-or-settle rule, read at each look, on scripted windows."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cona_core.config import ConfigError, config_from_dict
-from launch.lr_calibration import RAISE, WINDOW, LrCalibration, hypergradient_terms
+from launch.lr_calibration import LOOKS, RAISE, WINDOW, LrCalibration, hypergradient_terms, look_z
 from tests.test_config import TINY
 
 
@@ -59,20 +59,34 @@ def _window(cal: LrCalibration, cosines: list[float]) -> list[bool]:
     return [cal.add(c, 1.0, 1.0, z=2.33) for c in cosines]
 
 
-def test_a_window_whose_mean_cosine_is_above_zero_raises_the_lr_by_root_two() -> None:
+def test_each_look_splits_the_confidence() -> None:
+    """Φ(−2.33) = 0.0099 over 5 looks: 0.00198 a look, z 2.88."""
+    assert LOOKS == 5 and look_z(2.33) == pytest.approx(2.88, abs=0.005)
+
+
+def test_a_clear_signal_raises_the_lr_by_root_two_at_the_first_look() -> None:
     cal = LrCalibration()
-    cosines = [0.05 + 0.1 * ((-1) ** i) for i in range(WINDOW)]  # mean 0.05, std ≈ 0.1: t ≈ 3.5
-    ended = _window(cal, cosines)
-    assert ended == [False] * (WINDOW - 1) + [True]
-    t = statistics.fmean(cosines) / (statistics.stdev(cosines) / math.sqrt(WINDOW))
-    assert cal.reads == [pytest.approx(t)] and t > 2.33
+    cosines = [0.05 + 0.01 * ((-1) ** i) for i in range(WINDOW // LOOKS)]  # t ≈ 15 after 10 steps
+    assert _window(cal, cosines) == [False] * (WINDOW // LOOKS - 1) + [True]
+    t = statistics.fmean(cosines) / (statistics.stdev(cosines) / math.sqrt(len(cosines)))
+    assert cal.reads == [pytest.approx(t)] and t > 10
     assert cal.gain == pytest.approx(RAISE) and not cal.settled and cal.cosines == []
+
+
+def test_a_weaker_signal_raises_at_the_first_look_that_clears_the_split_confidence() -> None:
+    # 0.15, −0.05, ...: mean 0.05, std 0.1·√(n/(n−1)), so t = 0.5·√(n − 1): 1.5, 2.18, 2.69 after 10, 20 and 30
+    # steps (below 2.88, though 2.69 is above the single read's 2.33), 3.12 after 40
+    cal = LrCalibration()
+    ended = _window(cal, [0.05 + 0.1 * ((-1) ** i) for i in range(40)])
+    assert ended == [False] * 39 + [True]
+    assert cal.reads == [pytest.approx(0.5 * math.sqrt(39))] and cal.gain == pytest.approx(RAISE)
 
 
 def test_a_window_without_confidence_settles_the_lr_for_good() -> None:
     cal = LrCalibration()
-    _window(cal, [0.05 + 0.1 * ((-1) ** i) for i in range(WINDOW)])  # raised once
-    _window(cal, [0.01 + 0.1 * ((-1) ** i) for i in range(WINDOW)])  # t ≈ 0.7: settles
+    _window(cal, [0.05 + 0.01 * ((-1) ** i) for i in range(WINDOW // LOOKS)])  # raised once
+    ended = _window(cal, [0.01 + 0.1 * ((-1) ** i) for i in range(WINDOW)])  # t = 0.1·√(n − 1) ≤ 0.7
+    assert ended == [False] * (WINDOW - 1) + [True]  # read at every look, settled at the window's end
     assert cal.settled and cal.gain == pytest.approx(RAISE) and len(cal.reads) == 2
     assert _window(cal, [0.5] * WINDOW) == [False] * WINDOW  # a settled LR reads nothing more
     assert cal.gain == pytest.approx(RAISE)
