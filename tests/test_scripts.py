@@ -140,6 +140,15 @@ def ttp_run(run_dir: Path, evals: list[tuple[float, float]], gbs: int, finished:
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
+def tabulate(cfg: Path, out: Path, *args: str) -> str:
+    """bench_ttp.py --tabulate on the run folders of seed 1 on under `out`: its output (it must succeed)."""
+    proc = run_script(
+        "bench_ttp.py", "--config", str(cfg), "--out", str(out), "--first-seed", "1", *args, "--tabulate", timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
     """--tabulate on hand-written run folders of seed 1 (ladder 8, 16, 32, 64; static-auto at 32): times to
     target interpolated in log-ppl between evaluations, speed-ups, unfinished runs left out."""
@@ -155,14 +164,7 @@ def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
     busy = {"table": {"dp4-tp1-pp1-mbs4-gbs16": 0.3}, "busy": {"dp4-tp1-pp1-mbs4-gbs16": 2.5}, "cache": "/c/t.json"}
     (out / "s1" / "static-16" / "clock.json").write_text(json.dumps(table | busy))
     (out / "s1" / "static-auto" / "clock.json").write_text(json.dumps(table | {"table": {"x": 0.2}}))
-    proc = run_script(
-        "bench_ttp.py",
-        *("--config", str(cfg), "--out", str(out), "--first-seed", "1", "--targets", "100,50"),
-        "--tabulate",
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = proc.stdout
+    text = tabulate(cfg, out, "--targets", "100,50")
     auto_100 = 10 + 10 * math.log(150 / 100) / math.log(150 / 80)  # between (10 s, ppl 150) and (20 s, ppl 80)
     assert "| cona | 10 [10–10] (1/1) | 20 [20–20] (1/1) |" in text, text
     assert f"| static-auto | {auto_100:.3g} [{auto_100:.3g}–{auto_100:.3g}] (1/1) | 30 [30–30] (1/1) |" in text, text
@@ -199,14 +201,7 @@ def test_bench_ttp_measures_the_chains_noise_with_a_second_seed(tmp_path: Path) 
         for name, (first, second) in runs.items():
             ttp_run(out / f"s{seed}" / name, [(0, 200), (first, 100), (first + second, 50)], 16)
         ttp_run(out / f"s{seed}" / "cona", [(0, 200), (10, 100), (18, 50)], 16)
-    proc = run_script(
-        "bench_ttp.py",
-        *("--config", str(cfg), "--out", str(out), "--first-seed", "1", "--seeds", "2", "--targets", "50"),
-        "--tabulate",
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = proc.stdout
+    text = tabulate(cfg, out, "--seeds", "2", "--targets", "50")
     assert "| hindsight chain | 15.5 [15–16] (2/2) |" in text, text
     # seed 1 along seed 2's path: static-auto's 12 s, static-16's 10 s; seed 2 along seed 1's: 14 + 10
     assert "| chain from another seed | 23 [22–24] (2/2) |" in text, text
