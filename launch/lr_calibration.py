@@ -20,7 +20,6 @@ import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from statistics import NormalDist
 from typing import Any
 
 import torch
@@ -58,7 +57,8 @@ def hypergradient_terms(
 
 def look_z(z: float) -> float:
     """The threshold of one look: z's one-sided tail split over the `LOOKS` (2.33 → 2.88)."""
-    return NormalDist().inv_cdf(1 - NormalDist().cdf(-z) / LOOKS)
+    normal = statistics.NormalDist()
+    return normal.inv_cdf(1 - normal.cdf(-z) / LOOKS)
 
 
 @dataclass
