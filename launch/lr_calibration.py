@@ -89,11 +89,12 @@ class LrCalibration:
             return False
         spread = statistics.stdev(self.cosines)
         t = statistics.fmean(self.cosines) / (spread / math.sqrt(n)) if spread > 0 else 0.0
-        if t <= look_z(z) and n < WINDOW:
+        raise_lr = t > look_z(z)
+        if not raise_lr and n < WINDOW:
             return False
         self.reads.append(t)
         self.cosines = []
-        if t > look_z(z):
+        if raise_lr:
             self.gain *= RAISE
         else:
             self.settled = True

@@ -69,7 +69,7 @@ from cona_cli.control.clock_table import seed_measured_cache  # noqa: E402
 from cona_cli.overrides import parse_sets  # noqa: E402
 from cona_cli.planner.hardware import HARDWARE_DIR  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
-from cona_cli.report.chain import ChainPath, chain_along, fastest_chain  # noqa: E402
+from cona_cli.report.chain import ChainPath, Curve, chain_along, fastest_chain  # noqa: E402
 from cona_cli.report.crossing import crossing  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
 from cona_cli.run_config import load_config  # noqa: E402
@@ -203,22 +203,25 @@ def samples_per_s(run_dir: Path) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def hindsight_chain(run_dirs: list[Path], targets: list[float]) -> tuple[list[float | None], list[ChainPath]]:
+def static_curves(run_dirs: list[Path]) -> dict[str, Curve]:
+    """Each run's evaluations by run name (runs without any left out)."""
+    return {d.name: c for d in run_dirs if (c := curve(d))}
+
+
+def hindsight_chain(curves: dict[str, Curve], targets: list[float]) -> tuple[list[float | None], list[ChainPath]]:
     """The fastest chain of these (static) runs in hindsight (`cona_cli.report.chain`): the time to each
     target and the path to it (empty where not reached)."""
-    named = {d.name: c for d in run_dirs if (c := curve(d))}
-    chains = [fastest_chain(named, t) for t in targets]
+    chains = [fastest_chain(curves, t) for t in targets]
     return [t for t, _ in chains], [path for _, path in chains]
 
 
 def chain_from_other_seeds(
-    dirs: dict[int, list[Path]], paths: dict[int, list[ChainPath]], targets: list[float]
+    curves: dict[int, dict[str, Curve]], paths: dict[int, list[ChainPath]], targets: list[float]
 ) -> dict[int, list[float | None]]:
     """Per seed, the time to each target of its static runs along the hindsight chain's path of each other
     seed (the median over those seeds): the chain without the selection of its own seed's noise."""
     out: dict[int, list[float | None]] = {}
-    for seed, run_dirs in dirs.items():
-        named = {d.name: c for d in run_dirs if (c := curve(d))}
+    for seed, named in curves.items():
         row: list[float | None] = []
         for j, target in enumerate(targets):
             along = [chain_along(named, target, p[j]) for s, p in paths.items() if s != seed and p[j]]
@@ -227,21 +230,18 @@ def chain_from_other_seeds(
     return out
 
 
-def chain_noise_floor(dirs: dict[int, list[Path]], targets: list[float]) -> list[list[float]]:
+def chain_noise_floor(curves: dict[int, dict[str, Curve]], targets: list[float]) -> list[list[float]]:
     """Per target, for every static run in two seeds or more: the fastest of its seeds' times / the time of
     the hindsight chain of those runs alone (1.0 without noise)."""
-    by_name: dict[str, list[Path]] = {}
-    for _, run_dirs in sorted(dirs.items()):
-        for d in run_dirs:
-            by_name.setdefault(d.name, []).append(d)
+    by_name: dict[str, dict[str, Curve]] = {}
+    for seed, named in sorted(curves.items()):
+        for name, c in named.items():
+            by_name.setdefault(name, {})[f"{name}@s{seed}"] = c
     floor: list[list[float]] = [[] for _ in targets]
-    for runs in by_name.values():
-        named = {f"{d.name}@{d.parent.name}": c for d in runs if (c := curve(d))}
-        if len(named) < 2:
-            continue
+    for seeds in [runs for runs in by_name.values() if len(runs) > 1]:
         for j, target in enumerate(targets):
-            chained, _ = fastest_chain(named, target)
-            alone = [t for c in named.values() if (t := crossing(c, math.log(target))) is not None]
+            chained, _ = fastest_chain(seeds, target)
+            alone = [t for c in seeds.values() if (t := crossing(c, math.log(target))) is not None]
             if chained is not None and alone:
                 floor[j].append(min(alone) / chained)
     return floor
@@ -435,15 +435,15 @@ def main() -> None:
             print(f"dropped after seed {base_seed}: {', '.join(slowest)} (fewest targets reached, then slowest)")
             runs = {k: v for k, v in runs.items() if k not in slowest}
     results = {name: per_seed for name, per_seed in results.items() if per_seed}
-    static_dirs = {
-        seed: [args.out / f"s{seed}" / n for n, r in results.items() if is_static(n) and seed in r]
+    curves = {
+        seed: static_curves([args.out / f"s{seed}" / n for n, r in results.items() if is_static(n) and seed in r])
         for seed in sorted({seed for per_seed in results.values() for seed in per_seed})
     }
-    static_dirs = {seed: dirs for seed, dirs in static_dirs.items() if len(dirs) > 1}
+    curves = {seed: named for seed, named in curves.items() if len(named) > 1}
     chain: dict[int, list[float | None]] = {}
     paths: dict[int, list[ChainPath]] = {}
-    for seed, dirs in static_dirs.items():
-        chain[seed], paths[seed] = hindsight_chain(dirs, targets)
+    for seed, named in curves.items():
+        chain[seed], paths[seed] = hindsight_chain(named, targets)
     if chain:
         results[HINDSIGHT] = chain
         print("\nthe hindsight chain per seed (each run from the ppl where it is the fastest):")
@@ -451,8 +451,8 @@ def main() -> None:
             path = next((p for p in reversed(per_target) if p), [])
             print(f"  s{seed}: " + " → ".join(f"{name} (from {ppl:.4g})" for name, ppl in path))
     if len(chain) > 1:
-        results[ACROSS] = chain_from_other_seeds(static_dirs, paths, targets)
-        floor = chain_noise_floor(static_dirs, targets)
+        results[ACROSS] = chain_from_other_seeds(curves, paths, targets)
+        floor = chain_noise_floor(curves, targets)
         print(
             "\nthe chain's noise floor: the fastest seed of each static / the hindsight chain of its seeds' runs, "
             "median [range] over the statics (1 without noise): "
