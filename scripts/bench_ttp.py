@@ -69,6 +69,7 @@ from cona_cli.control.clock_table import seed_measured_cache  # noqa: E402
 from cona_cli.overrides import parse_sets  # noqa: E402
 from cona_cli.planner.hardware import HARDWARE_DIR  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
+from cona_cli.report.batch_path import BOUND, describe  # noqa: E402
 from cona_cli.report.chain import ChainPath, Curve, chain_along, fastest_chain  # noqa: E402
 from cona_cli.report.crossing import crossing  # noqa: E402
 from cona_cli.report.runlog import read_run  # noqa: E402
@@ -491,6 +492,10 @@ def main() -> None:
     for cona in conas:
         for seed, ups in sorted(speedups(results, cona, "best static", len(targets), primary).items()):
             print(f"  {cona} s{seed}: " + " / ".join("-" if u is None else f"{u:.3g}" for u in ups))
+    print(f"\nglobal batches per seed, from the first step at each (the bound: {BOUND}):")
+    for cona in [n for n in conas if n not in (HINDSIGHT, ACROSS)]:
+        for seed in sorted(results[cona]):
+            print(f"  {cona} s{seed}: {describe(read_run(args.out / f's{seed}' / cona))}")
     for again in [n for n in results if n.endswith(AGAIN)]:
         first = again.removesuffix(AGAIN)
         at = " / ".join(f"ppl {t:g}" for t in targets)

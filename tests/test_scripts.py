@@ -178,6 +178,7 @@ def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
     assert "  cona-variant s1: 0.5 / 1" in text, text
     assert "static-auto 320 [320–320]" in text and "static-16 160 [160–160]" in text, text  # samples/s
     assert "| hindsight chain |" in text, text
+    assert "  cona s1: 16; 0 reversals in 30 s: within the bound" in text, text
     assert (
         "WARNING: clock: 1 table entry was calibrated while other work loaded the host, so their steps may be "
         "charged slow: dp4-tp1-pp1-mbs4-gbs16 (load 2.5 per CPU); delete them from /c/t.json" in text
