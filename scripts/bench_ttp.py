@@ -43,7 +43,9 @@ with the rest; repeat it for more keys or more runs); `--again NAME`
 runs NAME a second time in each seed as `NAME-again` (same config, interleaved) and prints their per-seed
 ratio: how far two identical runs of one seed land apart on this host, the floor under any per-seed
 comparison; `--tabulate` runs nothing and tabulates the run folders under --out (e.g. for other targets),
-every `cona-NAME` folder among them (a variant's run) included unless `--only` names the runs.
+every `cona-NAME` folder among them (a variant's run) and every `static-NAME` one (a static run made another
+way: `static-32-NOTE` competes for the best static, `static-32-sqrt-NOTE` for the sqrt recipe's) included
+unless `--only` names the runs.
 `--data DIR` replaces the config's data.path; a config without one (the synthetic corpus) refuses it.
 """
 
@@ -295,9 +297,9 @@ def baseline(
 
 
 def recipe_of(name: str) -> str:
-    """The recipe suffix of a static run's name ("" for the config's own)."""
-    last = name.rsplit("-", 1)[-1]
-    return last if last in ("adascale", "sqrt") else ""
+    """The recipe named in a static run's name ("" for the config's own): `static-32-sqrt`, or a folder
+    of another run of it, `static-32-sqrt-NOTE`."""
+    return next((part for part in name.split("-")[2:] if part in ("adascale", "sqrt")), "")
 
 
 def speedups(
@@ -402,9 +404,9 @@ def main() -> None:
     targets = [float(t) for t in args.targets.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     base_seed = args.first_seed if args.first_seed is not None else int(doc["train"].get("seed", 1234))
-    if args.tabulate and not args.only:  # every cona run the folders hold, whatever --cona-set it ran with
+    if args.tabulate and not args.only:  # every cona and static run the folders hold, whatever it ran with
         seeds = [args.out / f"s{base_seed + i}" for i in range(args.seeds)]
-        found = sorted({p.name for d in seeds for p in d.glob("cona-*")})
+        found = sorted({p.name for d in seeds for p in [*d.glob("cona-*"), *d.glob("static-*")]})
         runs |= {name: doc for name in found if name not in runs}  # tabulating reads the folders, not the doc
     results: dict[str, dict[int, list[float | None]]] = {name: {} for name in runs}  # run -> seed -> per target
     for i in range(args.seeds):

@@ -188,6 +188,22 @@ def test_bench_ttp_tabulates_run_folders(tmp_path: Path) -> None:
     assert chain is not None and 100 <= float(chain.group(1)) <= 101, text
 
 
+def test_bench_ttp_tabulates_static_folders_made_another_way_under_their_recipe(tmp_path: Path) -> None:
+    """A `static-NAME-NOTE` folder (a static run made another way) competes for the best static, and for its
+    recipe's: `static-16-sqrt-wu` for the sqrt recipe's, `static-16-wu` for the config's own."""
+    cfg = write_config(tmp_path / "tiny.yaml", {**TINY, "search": {"gbs_min": 8, "gbs_max": 64, "gbs_static": 32}})
+    out = tmp_path / "ttp"
+    ttp_run(out / "s1" / "cona", [(0, 200), (20, 100)], 16)
+    ttp_run(out / "s1" / "static-auto", [(0, 200), (40, 100)], 32)
+    ttp_run(out / "s1" / "static-16-wu", [(0, 200), (10, 100)], 16)
+    ttp_run(out / "s1" / "static-16-sqrt-wu", [(0, 200), (16, 100)], 16)
+    text = tabulate(cfg, out, "--targets", "100")
+    assert "| static-16-wu | 10 [10–10] (1/1) |" in text, text
+    assert "| cona vs best static | 0.5 [0.5–0.5]× |" in text, text
+    assert "| cona vs best static adascale | 0.5 [0.5–0.5]× |" in text, text
+    assert "| cona vs best static sqrt | 0.8 [0.8–0.8]× |" in text, text
+
+
 def test_bench_ttp_measures_the_chains_noise_with_a_second_seed(tmp_path: Path) -> None:
     """With two seeds: the chain along the other seed's path and the noise floor (each static's fastest seed
     over the chain of its seeds), by hand. The evaluations sit at ppl 200, 100 and 50, so each run crosses
