@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -742,6 +742,24 @@ def validate_strategies(cfg: Config) -> None:
         raise ConfigError(f"policy: {cfg.policy} needs a strategy (in the YAML, `auto`, or --strategy)")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """Safe YAML that refuses a key given twice in one mapping (plain YAML keeps the last one silently, so a
+    setting the user wrote higher up would not take effect)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor`: the mapping's own keys override the merged ones, as YAML means
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the safe loader refuses it below
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path) -> Any:
     p = Path(path)
     try:
@@ -749,11 +767,14 @@ def read_yaml(path: str | Path) -> Any:
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
         where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}: invalid YAML{where}") from None
+        what = f": {e.problem}" if isinstance(e, yaml.constructor.ConstructorError) else ""
+        raise ConfigError(f"{path}: invalid YAML{where}{what}") from None
+    except yaml.YAMLError:
+        raise ConfigError(f"{path}: invalid YAML") from None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> None:

@@ -79,6 +79,10 @@ def test_bad_flags_and_files(tmp_path: Path) -> None:
     ]
     (tmp_path / "broken.yaml").write_text("model: [unclosed\n")
     cases.append((["train", str(tmp_path / "broken.yaml")], "broken.yaml: invalid YAML at line"))
+    twice = tmp_path / "twice.yaml"  # plain YAML would keep the second `train:` and drop the first silently
+    twice.write_text(cfg.read_text() + "train:\n  lr: 1.0\n")
+    line = len(cfg.read_text().splitlines()) + 1
+    cases.append((["train", str(twice)], f"twice.yaml: invalid YAML at line {line}: key 'train' given twice"))
     for args, message in cases:
         result = runner.invoke(app, args)
         assert result.exit_code == 2, (args, result.output)
