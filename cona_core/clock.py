@@ -12,14 +12,15 @@ Everything else that takes time is charged on it too:
 - a checkpoint save, and its load: `CHECKPOINT_BYTES_PER_PARAM` bytes per parameter at `STORAGE_GBS`;
 - an in-place resize: one step of the new strategy.
 
-The table (`train.clock_table`): `measured` (each strategy's step time on this host: the mean and spread
-of a short calibration pass, steps as the run's own with their data, noise-scale norms and collectives,
-run the first time the strategy runs, with its launch's start and one evaluation, and cached per config
-and host, `measured_cache`), a hardware profile (the planner's cost model on that cluster), or a mapping
-{strategy or gbs: seconds}. A calibration pass run while other work loaded the host (its load average
-beyond the job's own ranks above `BUSY_LOAD` per CPU) is flagged in the cache, and the controller, the
-worker and `scripts/bench_ttp.py` name such entries: their steps may be charged slow in every later run.
-The controller writes the resolved table to the run folder (`RunDir.clock`); the workers read it.
+The table (`train.clock_table`): `measured` (each strategy's step time on this host: the median and spread
+of a short calibration pass, robust to a slow spell of the host during it, steps as the run's own with their
+data, noise-scale norms and collectives, run the first time the strategy runs, with its launch's start and
+one evaluation, and cached per config and host, `measured_cache`), a hardware profile (the planner's cost
+model on that cluster), or a mapping {strategy or gbs: seconds}. A calibration pass run while other work
+loaded the host (its load average beyond the job's own ranks above `BUSY_LOAD` per CPU) is flagged in the
+cache, and the controller, the worker and `scripts/bench_ttp.py` name such entries: their steps may be
+charged slow in every later run. The controller writes the resolved table to the run folder
+(`RunDir.clock`); the workers read it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import math
 import os
 import platform
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -45,7 +47,18 @@ DRIFT_SHARE = 0.36  # of the step factor's log variance: slow drift, the rest in
 DRIFT_PERIODS = (173.0, 811.0)  # steps: the two sinusoids of the drift
 CALIBRATION_STEPS = (3, 12)  # a calibration pass: untimed steps, then timed ones
 TIMING = ("seconds", "spread", "start_s", "eval_s")  # what a calibration measures of a strategy (`record`)
+MAD_TO_STD = 1.4826  # a normal sample's std over its median absolute deviation
 BUSY_LOAD = 1.0  # a calibration with more load than this per CPU beyond the job's own ranks is flagged busy
+
+
+def step_seconds(logs: list[float]) -> tuple[float, float]:
+    """A strategy's table time and noise from the logs of its calibration steps, read as a log-normal step:
+    its median exp(μ) and log std σ, from the logs' median and median absolute deviation, so that a slow
+    spell of the host during the short pass (a step or two at twice the time) moves neither. The clock's
+    draws (exp(μ) times exp(σ·z), `cona_core.clock.step_factor`) then average to the log-normal's mean,
+    exp(μ + σ²/2): a run's time is their sum."""
+    mu = statistics.median(logs)
+    return math.exp(mu), MAD_TO_STD * statistics.median(abs(v - mu) for v in logs)
 
 
 @dataclass

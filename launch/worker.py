@@ -25,7 +25,6 @@ import json
 import math
 import os
 import signal
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +37,16 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from cona_core.clock import CALIBRATION_STEPS, TIMING, ClockSpec, VirtualClock, WallClock, busy_warning, others_load
+from cona_core.clock import (
+    CALIBRATION_STEPS,
+    TIMING,
+    ClockSpec,
+    VirtualClock,
+    WallClock,
+    busy_warning,
+    others_load,
+    step_seconds,
+)
 from cona_core.config import Config, config_from_json
 from cona_core.exits import BAD_CHECKPOINT_EXIT, OUT_OF_MEMORY_EXIT, REFUSED_EXIT, STORAGE_EXIT
 from cona_core.gns import NoiseWindow, two_batch_estimate
@@ -590,14 +598,6 @@ class Worker:
                 **out.noise,
             }
         )
-
-
-def step_seconds(logs: list[float]) -> tuple[float, float]:
-    """A strategy's table time and noise from the logs of its calibration steps: the log std σ, and the
-    time whose draws (times exp(σ·z), `cona_core.clock.step_factor`) average to the steps' mean, since a
-    run's time is their sum."""
-    sigma = statistics.stdev(logs)
-    return statistics.fmean(math.exp(v) for v in logs) * math.exp(-sigma * sigma / 2), sigma
 
 
 def make_clock(cfg: Config, files: RunDir, run_start: float) -> WallClock:

@@ -25,6 +25,7 @@ from cona_core.clock import (
     busy_warning,
     others_load,
     step_factor,
+    step_seconds,
 )
 from cona_core.config import ConfigError, config_from_dict
 from cona_core.rundir import RunDir
@@ -69,6 +70,18 @@ def test_the_noise_is_the_seeds_and_has_the_asked_spread() -> None:
     neighbours = np.corrcoef(logs[:-1], logs[1:])[0, 1]  # the drift: neighbouring steps alike
     assert 0.2 < neighbours < 0.5
     assert step_factor(11, 5, 0.0) == 1.0
+
+
+def test_a_calibration_reads_the_typical_step_and_a_slow_spell_moves_neither_its_time_nor_its_spread() -> None:
+    steady = [math.log(0.45) + 0.03 * z for z in (-1.5, -1, -0.5, -0.3, -0.1, 0, 0.1, 0.3, 0.5, 1, 1.5, 0.2)]
+    seconds, spread = step_seconds(steady)
+    assert seconds == pytest.approx(0.45 * math.exp(0.03 * 0.05))  # the median of the logs: between 0 and 0.1
+    assert spread == pytest.approx(1.4826 * 0.03 * 0.4)  # the z's deviations from 0.05 have the median 0.4
+    spell = [*steady[:10], math.log(0.9), math.log(1.0)]  # two steps of twelve at twice the time
+    seconds_in_spell, spread_in_spell = step_seconds(spell)
+    assert seconds_in_spell == pytest.approx(seconds, rel=0.03) and spread_in_spell < 2 * spread
+    mean_matched = statistics.fmean(math.exp(v) for v in spell) * math.exp(-(statistics.stdev(spell) ** 2) / 2)
+    assert mean_matched > 1.06 * seconds  # what the mean and std of the same steps would have charged
 
 
 def test_the_spec_round_trips_through_the_run_folder() -> None:
