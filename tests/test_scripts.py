@@ -613,3 +613,47 @@ def test_next_rung_error_predicts_a_table_the_model_itself_wrote(tmp_path: Path)
     assert all(abs(float(r[4]) - 1.0) <= 0.05 for r in rows), out.stdout
     bad = run_script("next_rung_error.py", "--config", "configs/tiny.yaml", "--table", str(tmp_path / "none.json"))
     assert bad.returncode != 0 and "none.json" in bad.stderr
+
+
+def test_calibrate_table_takes_each_timings_median_over_the_rounds_and_the_busiest_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cona_core.strategy import Strategy
+
+    cal = import_script(script("calibrate_table.py"), monkeypatch)
+    rounds = [
+        {"seconds": 0.30, "spread": 0.05, "start_s": 3.0, "eval_s": 0.6, "load": 0.0},
+        {"seconds": 0.50, "spread": 0.20, "start_s": 2.0, "eval_s": 0.5, "load": 1.4},  # a slow spell
+        {"seconds": 0.32, "spread": 0.06, "start_s": 2.5, "eval_s": 0.7, "load": 0.1},
+    ]
+    entry = cal.median_entry(rounds)
+    assert entry == {"seconds": 0.32, "spread": 0.06, "start_s": 2.5, "eval_s": 0.6, "load": 1.4}
+    s = [Strategy.parse(f"dp4-tp1-pp1-mbs2-gbs{g}") for g in (8, 16, 24)]
+    assert cal.rotated(s, 1) == [s[1], s[2], s[0]] and cal.rotated(s, 3) == s
+
+
+@pytest.mark.e2e
+def test_calibrate_table_one_round_writes_the_entry_runs_are_charged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One real calibration launch of tiny's gbs 8: the entry lands in this host's cache, where a virtual-clock
+    run of the config reads it, and in --out; the synthetic corpus refuses --data."""
+    from cona_cli.control.clock_table import clock_spec
+    from cona_core.rundir import RunDir
+    from cona_core.strategy import Strategy
+
+    monkeypatch.setenv("CONA_CACHE", str(tmp_path / "cache"))
+    s = "dp4-tp1-pp1-mbs2-gbs8"
+    out = tmp_path / "table.json"
+    proc = run_script("calibrate_table.py", "--config", "configs/tiny.yaml", "--rounds", "1", "--strategies", s,
+                      "--out", str(out), timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    entry = json.loads(out.read_text())[s]
+    assert 0 < entry["seconds"] < 5 and entry["start_s"] > 0 and entry["eval_s"] > 0
+    assert f"| {s} | {entry['seconds']:.4g} | {entry['seconds']:.4g} | 1.000 |" in proc.stdout
+    doc = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    run = write_config(tmp_path / "run.yaml", {**doc, "train": {**doc["train"], "clock": "virtual"}})
+    spec = clock_spec(load_config(run), RunDir(tmp_path / "r"), [])
+    assert spec.seconds(Strategy.parse(s)) == entry["seconds"]
+    refused = run_script("calibrate_table.py", "--config", "configs/tiny.yaml", "--data", str(tmp_path))
+    assert refused.returncode == 1 and "trains on the synthetic corpus" in refused.stderr
