@@ -55,7 +55,7 @@ def step_seconds(logs: list[float]) -> tuple[float, float]:
     """A strategy's table time and noise from the logs of its calibration steps, read as a log-normal step:
     its median exp(μ) and log std σ, from the logs' median and median absolute deviation, so that a slow
     spell of the host during the short pass (a step or two at twice the time) moves neither. The clock's
-    draws (exp(μ) times exp(σ·z), `cona_core.clock.step_factor`) then average to the log-normal's mean,
+    draws (exp(μ) times exp(σ·z), `step_factor`) then average to the log-normal's mean,
     exp(μ + σ²/2): a run's time is their sum."""
     mu = statistics.median(logs)
     return math.exp(mu), MAD_TO_STD * statistics.median(abs(v - mu) for v in logs)

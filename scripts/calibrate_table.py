@@ -30,6 +30,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_ttp import CONA, DEFAULT_DATA, bench_doc  # noqa: E402
 
 from cona_cli.control.clock_table import measured_cache_path  # noqa: E402
 from cona_cli.control.cona_policy import fastest_strategy  # noqa: E402
@@ -37,11 +40,8 @@ from cona_cli.planner.hardware import load_hardware  # noqa: E402
 from cona_cli.planner.space import gbs_ladder  # noqa: E402
 from cona_cli.run_config import load_config  # noqa: E402
 from cona_core.clock import TIMING, read_cache, write_cache  # noqa: E402
-from cona_core.config import Config, ConfigError, read_yaml  # noqa: E402
+from cona_core.config import Config, ConfigError  # noqa: E402
 from cona_core.strategy import Strategy, StrategyError  # noqa: E402
-
-CONA = [sys.executable, "-c", "from cona_cli.app import main; main()"]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "wikitext-2-raw"
 
 
 def median_entry(rounds: list[dict[str, float]]) -> dict[str, float]:
@@ -72,8 +72,7 @@ def calibrate_once(doc: dict, strategy: Strategy, cache: Path, run_dir: Path) ->
     write_cache(cache, {k: v for k, v in read_cache(cache).items() if k != str(strategy)})
     cfg_path = run_dir.with_suffix(".yaml")
     run = {**doc, "policy": "static", "strategy": str(strategy)}
-    run["train"] = {**doc.get("train", {}), "clock": "virtual", "clock_table": "measured", "max_steps": 1}
-    run["train"].update(max_time=None, target_ppl=None, max_tokens=None)
+    run["train"] = {**doc["train"], "clock_table": "measured", "max_steps": 1, "max_time": None, "max_tokens": None}
     cfg_path.write_text(yaml.safe_dump(run, sort_keys=False))
     done = subprocess.run(
         [*CONA, "train", str(cfg_path), "--run-dir", str(run_dir), "--log-format", "plain"],
@@ -88,19 +87,6 @@ def calibrate_once(doc: dict, strategy: Strategy, cache: Path, run_dir: Path) ->
     return entry
 
 
-def run_doc(config: Path, data: Path) -> dict:
-    """The config the calibration launches start from, with bench_ttp.py's corpus rule (`data` replaces
-    data.path where the config has one), so that they time the table bench_ttp.py's runs read."""
-    doc = read_yaml(config)
-    if doc.get("data", {}).get("path"):
-        doc["data"] = {**doc["data"], "path": str(data.resolve())}
-    elif data != DEFAULT_DATA:
-        raise ConfigError(f"--data: {config} trains on the synthetic corpus (no data.path) and cannot take it")
-    for key in ("strategy", "chain", "policy"):
-        doc.pop(key, None)
-    return doc
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "wikitext2-gpt-tiny.yaml")
@@ -112,10 +98,10 @@ def main() -> None:
     if args.rounds < 1:
         raise SystemExit("--rounds: must be >= 1")
     try:
-        doc = run_doc(args.config, args.data)
+        doc = bench_doc(args.config, args.data, 1.0, "virtual")  # bench_ttp's runs' config: their table's cache
         with tempfile.TemporaryDirectory(prefix="cona-calibrate-") as tmp:
             loaded = Path(tmp) / "config.yaml"
-            loaded.write_text(yaml.safe_dump({**doc, "train": {**doc["train"], "clock": "virtual"}}))
+            loaded.write_text(yaml.safe_dump(doc))
             cfg = load_config(loaded)
         names = [s for s in args.strategies.split(",") if s]
         strategies = [Strategy.parse(s) for s in names] if names else planner_picks(cfg)

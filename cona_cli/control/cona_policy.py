@@ -38,6 +38,7 @@ from cona_cli.planner.hardware import HardwareProfile
 from cona_cli.planner.search import Candidate, SearchResult, search_gbs
 from cona_cli.planner.space import enumerate_space, gbs_ladder
 from cona_cli.planner.workload import Workload
+from cona_core.clock import MAD_TO_STD
 from cona_core.config import Config
 from cona_core.gns import NoiseInterval, NoiseWindow, measurable
 from cona_core.strategy import Strategy, resizable
@@ -72,7 +73,7 @@ def time_estimate(times: list[float]) -> Estimate:
     if len(blocks) >= 3:
         return Estimate(statistics.median(times), statistics.stdev(blocks) / math.sqrt(len(blocks)))
     mid = statistics.median(logs)
-    mad = statistics.median(abs(v - mid) for v in logs) * 1.4826  # a robust std of one step
+    mad = statistics.median(abs(v - mid) for v in logs) * MAD_TO_STD  # a robust std of one step
     return Estimate(statistics.median(times), 1.2533 * mad / math.sqrt(len(logs)))  # 1.2533: a median's efficiency
 
 
