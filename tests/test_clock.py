@@ -80,8 +80,6 @@ def test_a_calibration_reads_the_typical_step_and_a_slow_spell_moves_neither_its
     spell = [*steady[:10], math.log(0.9), math.log(1.0)]  # two steps of twelve at twice the time
     seconds_in_spell, spread_in_spell = step_seconds(spell)
     assert seconds_in_spell == pytest.approx(seconds, rel=0.03) and spread_in_spell < 2 * spread
-    mean_matched = statistics.fmean(math.exp(v) for v in spell) * math.exp(-(statistics.stdev(spell) ** 2) / 2)
-    assert mean_matched > 1.06 * seconds  # what the mean and std of the same steps would have charged
 
 
 def test_the_spec_round_trips_through_the_run_folder() -> None:
